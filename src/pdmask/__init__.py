@@ -1,0 +1,30 @@
+"""pdmask: trust-region masks for LLM reinforcement learning, built around the
+predictive divergence mask.
+
+Public API (pure tensor functions):
+
+- :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics.
+- :func:`trust_region_mask` — the keep mask alone.
+- :func:`token_stats` — every per-token statistic (log pi_k, ratio, divergences,
+  direction derivatives) for analysis.
+- :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry.
+- :func:`aggregate` — verl's loss aggregation modes.
+- :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
+"""
+
+from .directions import ESTIMATORS, ddot_autograd
+from .loss import PolicyLossOutput, aggregate, policy_loss, token_loss, trust_region_mask
+from .masks import (
+    MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
+    ratio_direction, ratio_region, register_mode,
+)
+from .stats import token_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate",
+    "ddot_autograd", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
+    "predictive", "ratio_direction", "ratio_region", "register_mode", "token_loss",
+    "token_stats", "trust_region_mask",
+]

@@ -1,0 +1,192 @@
+"""Input checking and sanitising for the public tensor functions.
+
+Every check names the argument it is about, so a user reading the error knows which
+tensor to look at. Checks are only made on response positions: padding may hold any
+junk (pad ids, zeros, -inf), and is replaced by harmless placeholders before any
+arithmetic so that it can never turn into a NaN that a multiplication by the mask
+would spread.
+
+All data-dependent checks are gathered into one boolean vector and read back with a
+single host sync, so validation costs one sync per call; pass ``validate=False`` on a
+hot path whose inputs are known good.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Engine log-probs may exceed 0 by rounding (bf16 engines, fp32 log-softmax); beyond
+#: this they are a bug upstream (raw logits passed as log-probs, wrong temperature).
+LOGPROB_TOL = 1e-3
+#: Largest accepted excess of the top-K probability mass over 1.
+MASS_TOL = 1e-3
+
+ESTIMATORS = ("exact", "aggregated", "uniform", "truncated")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class Batch:
+    """Flattened, sanitised inputs. N = number of (b, t) positions."""
+
+    logits: torch.Tensor  # (N, V), original dtype, a view where possible
+    sampled_ids: torch.Tensor  # (N,) int64
+    rollout_logprob: torch.Tensor  # (N,) float
+    topk_ids: torch.Tensor | None  # (N, K) int64
+    topk_logprobs: torch.Tensor | None  # (N, K) float
+    rollout_logits: torch.Tensor | None  # (N, V)
+    valid: torch.Tensor  # (N,) bool: response positions
+    lead_shape: tuple  # (B, T) or whatever leading shape the caller used
+    vocab_size: int
+
+
+def _fail(arg: str, msg: str) -> None:
+    raise ValueError(f"{arg}: {msg}")
+
+
+def check_positive(name: str, value: float, allow_inf: bool = False) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        _fail(name, f"must be a positive number, got {value!r}")
+    if math.isinf(value) and not allow_inf:
+        _fail(name, f"must be finite, got {value!r}")
+
+
+def check_choice(name: str, value: str, valid) -> None:
+    if value not in valid:
+        _fail(name, f"unknown value {value!r}; valid values are: {', '.join(valid)}")
+
+
+def _check_tensor(name: str, t, float_: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if float_ and not t.is_floating_point():
+        _fail(name, f"must be a floating-point tensor, got dtype {t.dtype}")
+    if not float_ and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        _fail(name, f"must be an integer tensor of token ids, got dtype {t.dtype}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
+
+
+def prepare(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    rollout_topk_ids: torch.Tensor | None,
+    rollout_topk_logprobs: torch.Tensor | None,
+    response_mask: torch.Tensor | None,
+    rollout_logits: torch.Tensor | None = None,
+    validate: bool = True,
+) -> Batch:
+    """Check shapes, dtypes and values; flatten to (N, ...) and sanitise padding."""
+    _check_tensor("logits", logits, float_=True)
+    if logits.dim() < 2:
+        _fail("logits", f"expected shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
+    lead = tuple(logits.shape[:-1])
+    V = logits.shape[-1]
+    _check_tensor("sampled_ids", sampled_ids, float_=False)
+    _check_shape("sampled_ids", sampled_ids, lead, "the leading dims of logits")
+    _check_tensor("rollout_logprob", rollout_logprob, float_=True)
+    _check_shape("rollout_logprob", rollout_logprob, lead, "the leading dims of logits")
+    if (rollout_topk_ids is None) != (rollout_topk_logprobs is None):
+        missing = "rollout_topk_logprobs" if rollout_topk_logprobs is None else "rollout_topk_ids"
+        _fail(missing, "must be given together with its partner (top-K ids and log-probs go in pairs)")
+    if rollout_topk_ids is not None:
+        _check_tensor("rollout_topk_ids", rollout_topk_ids, float_=False)
+        _check_tensor("rollout_topk_logprobs", rollout_topk_logprobs, float_=True)
+        if rollout_topk_ids.dim() != len(lead) + 1 or tuple(rollout_topk_ids.shape[:-1]) != lead:
+            _fail("rollout_topk_ids", f"expected shape {lead + ('K',)}, got {tuple(rollout_topk_ids.shape)}")
+        K = rollout_topk_ids.shape[-1]
+        _check_shape("rollout_topk_logprobs", rollout_topk_logprobs, lead + (K,), "same as rollout_topk_ids")
+        if K < 1:
+            _fail("rollout_topk_ids", "K must be at least 1")
+        if K > V:
+            _fail("rollout_topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
+    if rollout_logits is not None:
+        _check_tensor("rollout_logits", rollout_logits, float_=True)
+        _check_shape("rollout_logits", rollout_logits, tuple(logits.shape), "same as logits")
+    if response_mask is None:
+        valid = torch.ones(lead, dtype=torch.bool, device=logits.device)
+    else:
+        if not isinstance(response_mask, torch.Tensor):
+            _fail("response_mask", f"must be a torch.Tensor, got {type(response_mask).__name__}")
+        _check_shape("response_mask", response_mask, lead, "the leading dims of logits")
+        valid = response_mask.bool()
+
+    valid = valid.reshape(-1)
+    ids = sampled_ids.reshape(-1).long()
+    lp = rollout_logprob.reshape(-1)
+    tk_ids = tk_lp = None
+    if rollout_topk_ids is not None:
+        K = rollout_topk_ids.shape[-1]
+        tk_ids = rollout_topk_ids.reshape(-1, K).long()
+        tk_lp = rollout_topk_logprobs.reshape(-1, K)
+
+    if validate:
+        _check_values(V, valid, ids, lp, tk_ids, tk_lp)
+
+    # Sanitise padding: a consistent, harmless placeholder row (sampled id 0 in the
+    # support, uniform-looking log-probs) so that no NaN/inf is ever computed there.
+    pad = ~valid
+    ids = torch.where(pad, torch.zeros_like(ids), ids)
+    filler = -math.log(V)
+    lp = torch.where(pad, torch.full_like(lp, filler), lp).clamp(max=0.0)
+    if tk_ids is not None:
+        K = tk_ids.shape[-1]
+        ar = torch.arange(K, device=tk_ids.device).expand_as(tk_ids)
+        tk_ids = torch.where(pad[:, None], ar, tk_ids)
+        tk_lp = torch.where(pad[:, None], torch.full_like(tk_lp, filler), tk_lp).clamp(max=0.0)
+
+    rl = rollout_logits.reshape(-1, V) if rollout_logits is not None else None
+    return Batch(
+        logits=logits.reshape(-1, V),
+        sampled_ids=ids,
+        rollout_logprob=lp,
+        topk_ids=tk_ids,
+        topk_logprobs=tk_lp,
+        rollout_logits=rl,
+        valid=valid,
+        lead_shape=lead,
+        vocab_size=V,
+    )
+
+
+def _check_values(V, valid, ids, lp, tk_ids, tk_lp) -> None:
+    """All value checks at once; one host sync."""
+    v = valid
+    names = []
+    flags = []
+
+    def add(name, flag):
+        names.append(name)
+        flags.append(flag)
+
+    add(("sampled_ids", f"ids must lie in [0, {V})"), ((ids < 0) | (ids >= V))[v].any())
+    add(("rollout_logprob", "contains NaN"), torch.isnan(lp)[v].any())
+    add(("rollout_logprob", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value"),
+        (lp > LOGPROB_TOL)[v].any())
+    add(("rollout_logprob", "the sampled token's log-prob must be finite (it was sampled, so mu_k > 0)"),
+        torch.isinf(lp)[v].any())
+    if tk_ids is not None:
+        tv = v[:, None].expand_as(tk_ids)
+        add(("rollout_topk_ids", f"ids must lie in [0, {V})"), ((tk_ids < 0) | (tk_ids >= V))[tv].any())
+        srt = tk_ids.sort(dim=-1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(-1) if tk_ids.shape[-1] > 1 else torch.zeros_like(v)
+        add(("rollout_topk_ids", "duplicate ids in a top-K row"), (dup & v).any())
+        add(("rollout_topk_logprobs", "contains NaN"), torch.isnan(tk_lp)[tv].any())
+        add(("rollout_topk_logprobs", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value"),
+            (tk_lp > LOGPROB_TOL)[tv].any())
+        mass = tk_lp.double().exp().sum(-1)
+        add(("rollout_topk_logprobs", f"top-K probability mass exceeds 1 + {MASS_TOL}"),
+            ((mass > 1 + MASS_TOL) & v).any())
+    bad = torch.stack(flags).tolist()
+    for (name, msg), b in zip(names, bad):
+        if b:
+            _fail(name, msg)

@@ -1,0 +1,209 @@
+"""Trust-region masks: a registry of modes, each a proximity test times a direction test.
+
+A token is masked (``M = 0``) iff it is **out of the region** and its update is
+**outward**; otherwise ``M = 1``. A mode is data::
+
+    MaskMode(name, region=divergence_region("topk_kl"), direction=predictive("topk_kl"), ...)
+
+- ``region(stats, adv, th)`` -> bool (N,): out of the trust region. Divergence modes use
+  ``D > delta_high`` for ``A > 0`` and ``D > delta_low`` for ``A < 0``; ``grpo`` uses
+  ``r`` outside ``[1 - eps_low, 1 + eps_high]``. Tokens with ``A = 0`` are never out
+  (their update is zero).
+- ``direction(stats, estimator)`` -> signed (N,): the update is outward iff
+  ``A * direction > 0``. ``ratio`` is ``log r`` (PPO, DPPO); ``predictive(div)`` is
+  ``Ddot`` of that divergence (this project); ``None`` never masks.
+
+Adding a mode is one :func:`register_mode` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from ._validate import check_choice, check_positive
+from .directions import ESTIMATORS
+
+Stats = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Trust-region thresholds: ``delta_*`` for divergence regions, ``eps_*`` for ratio regions."""
+
+    delta_low: float
+    delta_high: float
+    eps_low: float
+    eps_high: float
+
+
+Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
+Direction = Callable[[Stats, str], torch.Tensor]
+
+#: Divergence keys whose Ddot depends on the top-K estimator.
+_TOPK_DIVS = ("topk_kl", "topk_tv")
+
+
+def _by_sign(adv: torch.Tensor, value: torch.Tensor, low, high) -> torch.Tensor:
+    return ((adv > 0) & (value > high)) | ((adv < 0) & (value > low))
+
+
+def divergence_region(key: str) -> Region:
+    """Out of region iff ``stats[key] > delta`` (delta by the sign of A)."""
+
+    def region(stats: Stats, adv: torch.Tensor, th: Thresholds) -> torch.Tensor:
+        return _by_sign(adv, stats[key], th.delta_low, th.delta_high)
+
+    region.divergence = key
+    return region
+
+
+def ratio_region() -> Region:
+    """Out of region iff ``r > 1 + eps_high`` or ``r < 1 - eps_low`` (and A != 0)."""
+
+    def region(stats: Stats, adv: torch.Tensor, th: Thresholds) -> torch.Tensor:
+        r = stats["ratio"]
+        return (adv != 0) & ((r > 1 + th.eps_high) | (r < 1 - th.eps_low))
+
+    return region
+
+
+def ratio_direction() -> Direction:
+    """Outward iff ``A (r - 1) > 0`` (PPO, DPPO)."""
+    return lambda stats, estimator: stats["log_ratio"]
+
+
+def ddot_key(divergence: str, estimator: str) -> str:
+    return f"ddot_{divergence}_{estimator}" if divergence in _TOPK_DIVS else f"ddot_{divergence}"
+
+
+def predictive(divergence: str) -> Direction:
+    """Outward iff ``A * Ddot > 0`` for the named divergence (top-K ones use the estimator)."""
+    return lambda stats, estimator: stats[ddot_key(divergence, estimator)]
+
+
+@dataclass(frozen=True)
+class MaskMode:
+    """A named trust-region mask.
+
+    Attributes:
+        name: registry key.
+        region: proximity test (see module docstring).
+        direction: direction test, or None for no masking at all.
+        divergence: the divergence the mode is about; it is reported in the metrics and
+            its predictive direction is compared with the ratio direction for the
+            disagreement diagnostic (``topk_kl`` for ``grpo`` / ``none``, falling back
+            to ``binary_kl`` without top-K input).
+        surrogate: ``"dppo"`` (``-M sg(min(r, C)) A log pi_k``) or ``"ppo-clip"``.
+        needs: inputs the mode requires: ``"topk"`` and/or ``"full"``.
+        default_delta: delta used when the caller passes none.
+        doc: one line for listings.
+    """
+
+    name: str
+    region: Region
+    direction: Direction | None
+    divergence: str
+    surrogate: str = "dppo"
+    needs: frozenset = field(default_factory=frozenset)
+    default_delta: float = 0.05
+    doc: str = ""
+
+
+MODES: dict[str, MaskMode] = {}
+
+
+def register_mode(mode: MaskMode, *, overwrite: bool = False) -> MaskMode:
+    """Add a mode to the registry (``overwrite=True`` to replace one)."""
+    if mode.name in MODES and not overwrite:
+        raise ValueError(f"mode: {mode.name!r} is already registered (pass overwrite=True to replace it)")
+    MODES[mode.name] = mode
+    return mode
+
+
+def get_mode(name: str) -> MaskMode:
+    if isinstance(name, MaskMode):
+        return name
+    if name not in MODES:
+        raise ValueError(f"mode: unknown mode {name!r}; valid modes are: {', '.join(MODES)}")
+    return MODES[name]
+
+
+_TOPK, _FULL = frozenset({"topk"}), frozenset({"full"})
+for _m in [
+    MaskMode("grpo", ratio_region(), ratio_direction(), "topk_kl", surrogate="ppo-clip",
+             doc="PPO/GRPO ratio clip [1-eps_low, 1+eps_high] (clip-higher: raise eps_high)"),
+    MaskMode("none", divergence_region("topk_kl"), None, "topk_kl",
+             doc="IS-weighted policy gradient, no trust region (regions reported only)"),
+    MaskMode("dppo-binary-tv", divergence_region("binary_tv"), ratio_direction(), "binary_tv",
+             default_delta=0.15, doc="DPPO: |pi_k - mu_k| > delta, ratio direction"),
+    MaskMode("dppo-binary-kl", divergence_region("binary_kl"), ratio_direction(), "binary_kl",
+             doc="DPPO: Bernoulli KL of the sampled token > delta, ratio direction"),
+    MaskMode("dppo-topk-kl", divergence_region("topk_kl"), ratio_direction(), "topk_kl", needs=_TOPK,
+             doc="DPPO: top-K KL > delta, ratio direction"),
+    MaskMode("dppo-topk-tv", divergence_region("topk_tv"), ratio_direction(), "topk_tv", needs=_TOPK,
+             default_delta=0.15, doc="DPPO: top-K TV > delta, ratio direction"),
+    MaskMode("pdm-topk-kl", divergence_region("topk_kl"), predictive("topk_kl"), "topk_kl", needs=_TOPK,
+             doc="predictive mask: top-K KL > delta and A*Ddot > 0"),
+    MaskMode("pdm-topk-tv", divergence_region("topk_tv"), predictive("topk_tv"), "topk_tv", needs=_TOPK,
+             default_delta=0.15, doc="predictive mask: top-K TV > delta and A*Ddot > 0"),
+    MaskMode("pdm-full-kl", divergence_region("full_kl"), predictive("full_kl"), "full_kl", needs=_FULL,
+             doc="predictive mask on the full-vocabulary KL (needs rollout_logits)"),
+    MaskMode("pdm-full-tv", divergence_region("full_tv"), predictive("full_tv"), "full_tv", needs=_FULL,
+             default_delta=0.15, doc="predictive mask on the full-vocabulary TV (needs rollout_logits)"),
+]:
+    register_mode(_m)
+
+
+def check_inputs_for(mode: MaskMode, has_topk: bool, has_full: bool) -> None:
+    if "topk" in mode.needs and not has_topk:
+        raise ValueError(f"rollout_topk_ids: mode {mode.name!r} needs the rollout top-K ids and log-probs")
+    if "full" in mode.needs and not has_full:
+        raise ValueError(f"rollout_logits: mode {mode.name!r} needs the rollout policy's full logits")
+
+
+def diagnostic_divergence(mode: MaskMode, stats: Stats) -> str:
+    """The divergence a mode reports; ``topk_kl`` falls back to ``binary_kl`` without top-K."""
+    return mode.divergence if mode.divergence in stats else "binary_kl"
+
+
+def resolve_thresholds(mode: MaskMode, delta_low, delta_high, eps_low, eps_high) -> Thresholds:
+    dl = mode.default_delta if delta_low is None else delta_low
+    dh = mode.default_delta if delta_high is None else delta_high
+    for name, v in (("delta_low", dl), ("delta_high", dh), ("eps_low", eps_low), ("eps_high", eps_high)):
+        check_positive(name, v, allow_inf=name.startswith("delta"))
+    return Thresholds(dl, dh, eps_low, eps_high)
+
+
+@dataclass
+class MaskResult:
+    """Flat (N,) tensors of one mask decision (all detached)."""
+
+    keep: torch.Tensor  # bool: M = 1
+    out_of_region: torch.Tensor  # bool
+    outward: torch.Tensor  # bool: the mode's direction says outward (False if no direction)
+    ratio_outward: torch.Tensor  # bool
+    predictive_outward: torch.Tensor  # bool, for the mode's (diagnostic) divergence
+    divergence: torch.Tensor  # the diagnostic divergence values
+
+
+def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: str,
+                    thresholds: Thresholds) -> MaskResult:
+    """Apply a mode to precomputed statistics (flat or shaped alike; ``advantages`` same shape)."""
+    mode = get_mode(mode)
+    check_choice("estimator", estimator, ESTIMATORS)
+    adv = advantages.to(stats["log_ratio"].dtype)
+    div = diagnostic_divergence(mode, stats)
+    if mode.region is None:
+        out = torch.zeros_like(adv, dtype=torch.bool)
+    elif getattr(mode.region, "divergence", None) is not None and mode.region.divergence not in stats:
+        out = divergence_region(div)(stats, adv, thresholds)
+    else:
+        out = mode.region(stats, adv, thresholds)
+    ratio_out = adv * stats["log_ratio"] > 0
+    pred_out = adv * stats[ddot_key(div, estimator)] > 0
+    outward = (adv * mode.direction(stats, estimator) > 0) if mode.direction is not None else torch.zeros_like(out)
+    keep = ~(out & outward)
+    return MaskResult(keep, out, outward, ratio_out, pred_out, stats[div].detach())
