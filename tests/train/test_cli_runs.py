@@ -76,3 +76,16 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, cache_dir, smoke_c
     got = read_jsonl(metrics)
     assert [r["step"] for r in got] == list(range(9))  # nothing lost, nothing twice
     assert _strip(got) == _strip(ref)
+
+
+def test_model_path_runs_without_sft(tmp_path, cache_dir, smoke_config, cli):
+    """--model PATH: any local HF causal-LM directory (here the cached smoke SFT base)."""
+    run_cli, _ = cli
+    run_cli(["train", "--config", smoke_config, f"cache_dir={cache_dir}", f"out_dir={tmp_path}", "progress=false",
+             "steps=1", "tensorboard=false"], cwd=tmp_path)
+    bases = sorted(cache_dir.glob("sft-*"))
+    assert bases and (bases[0] / "config.json").exists() and (bases[0] / "tokenizer.json").exists()
+    run_cli(["train", "--config", smoke_config, "--model", bases[0], "sft_steps=0", f"out_dir={tmp_path}",
+             "name=frompath", "progress=false", "steps=2", "tensorboard=false"], cwd=tmp_path)
+    recs = read_jsonl(tmp_path / "frompath" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2]

@@ -26,6 +26,16 @@ def test_answer_reward(text, answer, want):
     assert answer_reward(text, answer) == want
 
 
+def test_steps_reward_rejects_compensating_errors():
+    from pdmask.train.tasks import steps_reward
+
+    assert steps_reward(" 5 + 3 = 8. 8 - 2 = 6. answer: 6", "6") == 1.0
+    assert steps_reward(" 5 + 3 = 9. 9 - 3 = 6. answer: 6", "6") == 0.0  # right answer, wrong steps
+    assert steps_reward(" 5 + 3 = 8. 8 - 2 = 6. answer: 7", "7") == 0.0
+    assert steps_reward(" 5 + 3 = 8. 8 - 2 = 6. so there are 6", "6") == 0.0
+    assert steps_reward(" answer: 6", "6") == 1.0  # no equations to check
+
+
 def test_answer_format_reward_partial_credit():
     assert answer_format_reward(" answer: 7", "7") == 1.0
     assert answer_format_reward(" answer: 8", "7") == 0.2
@@ -34,6 +44,7 @@ def test_answer_format_reward_partial_credit():
 
 def test_get_reward_by_name_and_import_path():
     assert get_reward("answer") is answer_reward
+    assert get_reward("answer+steps").__name__ == "steps_reward"
     assert get_reward("pdmask.train.tasks:answer_format_reward") is answer_format_reward
     with pytest.raises(ValueError, match="^reward:"):
         get_reward("nope")

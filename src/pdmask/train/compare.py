@@ -8,7 +8,9 @@ summaries, the step-time ratios, wall time, machine load) and ``summary.md``.
 Step-time ratio of two modes, measured two ways:
 
 - ``runs``: the ratio of the median per-step update time per 1000 response tokens of the
-  two runs (same run, same machine, but different trajectories and different moments);
+  two runs (same machine, but different trajectories; with ``--jobs 2`` the pair is
+  scheduled side by side so both see the same load, otherwise they run one after the
+  other and a shared machine's load changes in between);
 - ``interleaved``: one fixed rollout batch from the SFT base, the loss forward+backward
   of each mode timed alternately ``reps`` times in one process (the cleaner figure on a
   shared machine).
@@ -31,6 +33,10 @@ from .grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
 from .report import find_runs, load_summaries, markdown_table, plot_runs, summary_table
 from .rollout import decode_responses, group_advantages, rewards_for
 from .sft import ensure_sft_checkpoint, sft_info
+
+
+#: (baseline, predictive) modes whose step-time ratio is reported
+PAIRS = [("dppo-topk-kl", "pdm-topk-kl"), ("dppo-topk-tv", "pdm-topk-tv")]
 
 
 def plan_runs(cfg: TrainConfig, modes: list[str], seeds: int, deltas: list[float] | None,
@@ -133,6 +139,10 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     sft_s = time.time() - sft_t
     console.print(f"SFT base: {base} (greedy held-out accuracy {sft_info(base).get('eval_greedy_accuracy')})")
     if jobs > 1:
+        # Paired modes (dppo-*/pdm-*) first, in plan order: with --jobs 2 each pair then runs
+        # side by side under the same machine load, which keeps their run-median ratio fair.
+        paired = {m for pair in PAIRS for m in pair}
+        cfgs = sorted(cfgs, key=lambda c: c.mode not in paired)
         _run_subprocesses(cfgs, jobs, resume, out, console)
     else:
         for c in cfgs:
@@ -145,7 +155,7 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     by_mode = {}
     for s in summaries:
         by_mode.setdefault((s["mode"], s.get("delta_high")), []).append(s)
-    pairs = [("dppo-topk-kl", "pdm-topk-kl"), ("dppo-topk-tv", "pdm-topk-tv")]
+    pairs = PAIRS
     res["step_time_ratio_runs"] = {}
     for a, b in pairs:
         for d in sorted({k[1] for k in by_mode}, key=lambda x: (x is None, x)):

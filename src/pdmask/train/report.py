@@ -112,7 +112,7 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
             a.set_ylabel(ylabel)
             a.grid(alpha=0.3)
             if fname == "mismatch":
-                a.set_yscale("symlog", linthresh=1e-4)
+                a.set_yscale("log")
             a.legend(fontsize=8)
         fig.tight_layout()
         p = out_dir / f"{fname}.png"

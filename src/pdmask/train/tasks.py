@@ -77,6 +77,27 @@ def answer_format_reward(response: str, answer: str) -> float:
     return r if r > 0 else (0.2 if extract_answer(response) is not None else 0.0)
 
 
+_EQUATION = re.compile(r"(-?\d+) ([+-]) (-?\d+) = (-?\d+)")
+
+
+def steps_reward(response: str, answer: str) -> float:
+    """``answer_reward``, every written equation ``a +/- b = c`` is true, and the answer is
+    the last equation's result.
+
+    With the final answer alone, samples whose wrong steps cancel out (``5 + 3 = 9.
+    9 - 3 = 6``) are rewarded like correct ones (about 1 in 5 correct answers of the
+    default SFT base at temperature 1), and RL then reinforces wrong arithmetic."""
+    if answer_reward(response, answer) == 0.0:
+        return 0.0
+    eqs = _EQUATION.findall(response)
+    for a, op, b, c in eqs:
+        if (int(a) + int(b) if op == "+" else int(a) - int(b)) != int(c):
+            return 0.0
+    if eqs and float(eqs[-1][3]) != float(extract_answer(response)):
+        return 0.0
+    return 1.0
+
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -95,7 +116,8 @@ def last_number_reward(response: str, answer: str) -> float:
 
 
 REWARDS: dict[str, Callable[[str, str], float]] = {
-    "answer": answer_reward, "answer+format": answer_format_reward, "last-number": last_number_reward}
+    "answer": answer_reward, "answer+format": answer_format_reward, "answer+steps": steps_reward,
+    "last-number": last_number_reward}
 
 
 def get_reward(spec: str) -> Callable[[str, str], float]:

@@ -1,0 +1,41 @@
+"""pdmask compare: the run plan, and a tiny end-to-end comparison."""
+
+import json
+
+from pdmask.train.compare import plan_runs
+from pdmask.train.config import load_config
+from pdmask.train.logging import read_jsonl
+
+
+def test_plan_runs_modes_seeds_deltas():
+    cfg = load_config(None, ["seed=3"])
+    runs = plan_runs(cfg, ["grpo", "dppo-topk-kl", "pdm-topk-kl"], 2, [0.05, 0.15], "out")
+    names = [r.run_name for r in runs]
+    # grpo (a ratio clip) is not swept over deltas; every other mode is, per seed
+    assert names == ["grpo-s3", "grpo-s4", "dppo-topk-kl-s3-d0.05", "dppo-topk-kl-s4-d0.05",
+                     "pdm-topk-kl-s3-d0.05", "pdm-topk-kl-s4-d0.05", "dppo-topk-kl-s3-d0.15",
+                     "dppo-topk-kl-s4-d0.15", "pdm-topk-kl-s3-d0.15", "pdm-topk-kl-s4-d0.15"]
+    d = {r.run_name: r for r in runs}
+    assert d["pdm-topk-kl-s4-d0.15"].delta_low == d["pdm-topk-kl-s4-d0.15"].delta_high == 0.15
+    assert d["grpo-s3"].delta_high is None and all(r.out_dir == "out" for r in runs)
+    # identical data: everything but mode/seed/delta/name is shared
+    skip = {"mode", "seed", "name", "delta_low", "delta_high"}
+    a, b = runs[2].to_dict(), runs[-1].to_dict()
+    assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
+def test_compare_smoke(tmp_path, cache_dir, smoke_config, cli):
+    run_cli, _ = cli
+    out = tmp_path / "cmp"
+    run_cli(["compare", "--config", smoke_config, "--modes", "dppo-topk-kl,pdm-topk-kl", "--seeds", "1",
+             "--out", out, f"cache_dir={cache_dir}", "progress=false", "tensorboard=false"], cwd=tmp_path)
+    res = json.loads((out / "summary.json").read_text())
+    assert {r["mode"] for r in res["runs"]} == {"dppo-topk-kl", "pdm-topk-kl"}
+    ratio = res["step_time_ratio_interleaved"]["pdm-topk-kl/dppo-topk-kl"]
+    assert ratio["ratio"] > 0 and ratio["median_a_s"] > 0
+    assert "pdm-topk-kl/dppo-topk-kl" in res["step_time_ratio_runs"]
+    # identical data and seeds: the two runs see the same step-1 rollout (same reward)
+    a = read_jsonl(out / "dppo-topk-kl-s0" / "metrics.jsonl")
+    b = read_jsonl(out / "pdm-topk-kl-s0" / "metrics.jsonl")
+    assert a[1]["reward"] == b[1]["reward"] and a[1]["mismatch_topk_kl"] == b[1]["mismatch_topk_kl"]
+    assert (out / "report" / "overview.png").exists() and (out / "summary.md").exists()
