@@ -142,7 +142,7 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
         # Paired modes (dppo-*/pdm-*) first, in plan order: with --jobs 2 each pair then runs
         # side by side under the same machine load, which keeps their run-median ratio fair.
         paired = {m for pair in PAIRS for m in pair}
-        cfgs = sorted(cfgs, key=lambda c: c.mode not in paired)
+        cfgs = sorted(cfgs, key=lambda c: (c.mode not in paired, c.delta_high or 0.0, c.seed))
         _run_subprocesses(cfgs, jobs, resume, out, console)
     else:
         for c in cfgs:

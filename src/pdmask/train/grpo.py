@@ -224,7 +224,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
                 for j in range(cfg.minibatches):
                     idx = perm[j * mb:(j + 1) * mb]
                     sub = select(batch, idx, plens, rlens)
-                    out = compute_loss(model, sub, adv[idx], cfg)
+                    # full input validation once per run (first update): the engine's
+                    # outputs are then trusted and the hot path skips the host sync
+                    out = compute_loss(model, sub, adv[idx], cfg, validate=first is None and step == start)
                     opt.zero_grad(set_to_none=True)
                     out.loss.backward()
                     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
