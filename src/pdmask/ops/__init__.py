@@ -33,6 +33,7 @@ import torch
 
 from .._validate import check_choice, check_positive
 from . import _torch
+from ._device import check_device
 from ._autograd import KEYS, FusedRowStats
 
 IMPLS = ("auto", "torch", "triton", "reference")
@@ -56,9 +57,10 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     return "torch"
 
 
-def _backend(name: str):
+def _backend(name: str, logits: torch.Tensor):
     if name == "torch":
         return _torch
+    check_device(logits)  # before importing triton: CPU tensors need the interpreter
     if not triton_available():
         raise ValueError("impl: 'triton' needs the optional triton package (pip install 'pdmask[triton]')")
     from . import _kernel  # lazy: imports triton
@@ -122,7 +124,7 @@ def row_stats(
     tk = None if topk_ids is None else topk_ids.long()
     if name == "reference":
         return _reference(logits, ids, tk, temperature, chunk_rows)
-    backend = _backend(name)
+    backend = _backend(name, logits)
     if logits.requires_grad and torch.is_grad_enabled():
         res = FusedRowStats.apply(logits, ids, tk, float(temperature), chunk_rows, backend)
         out = dict(zip(KEYS, res))

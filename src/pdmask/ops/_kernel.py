@@ -26,11 +26,12 @@ at that moment they are built for Triton's CPU interpreter instead (tests, no GP
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._device import check_device, interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -111,26 +112,29 @@ def _logp_bwd(
 _BUILT: dict[bool, tuple] = {}
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def language_interpreted() -> bool:
+    """Whether ``triton.language`` itself was imported in interpreter mode: Triton reads
+    ``TRITON_INTERPRET`` when it decorates its own standard library (``tl.sum``...)."""
+    return type(tl.sum).__name__ == "InterpretedFunction"
 
 
 def _kernels():
     # Built lazily, and per mode, because triton.jit picks interpreter vs compiler from
     # TRITON_INTERPRET at decoration time.
     mode = interpreting()
+    if mode != language_interpreted():
+        raise RuntimeError(
+            "TRITON_INTERPRET must have the same value when triton is first imported and when "
+            f"the pdmask kernels run (now {int(mode)}, at import {int(language_interpreted())}); "
+            "set it before anything imports triton"
+        )
     if mode not in _BUILT:
         _BUILT[mode] = (triton.jit(_row_stats_fwd), triton.jit(_logp_bwd))
     return _BUILT[mode]
 
 
 def _check_device(logits: torch.Tensor) -> None:
-    if not logits.is_cuda and not interpreting():
-        raise ValueError(
-            "impl: 'triton' needs CUDA tensors (got logits on "
-            f"{logits.device}); on CPU use impl='torch', or set TRITON_INTERPRET=1 before "
-            "the first call to run the kernel in Triton's (slow) interpreter"
-        )
+    check_device(logits)
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"logits: impl='triton' supports float16/bfloat16/float32, got {logits.dtype}")
 
