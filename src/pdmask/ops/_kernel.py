@@ -35,6 +35,9 @@ from ._device import check_device, interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# globals a kernel reads must be constexpr for the compiler (the interpreter does not care)
+_LN2 = tl.constexpr(LN2)
+_LOG2E = tl.constexpr(LOG2E)
 
 #: Launch configuration. Not tuned on hardware from this repository; ``bench_gpu.py
 #: --tune`` measures alternatives.
@@ -74,19 +77,19 @@ def _row_stats_fwd(
     log2_s = tl.log2(s)
     m_fin = tl.where(m == neg_inf, 0.0, m)
     lse2 = m_fin + log2_s  # -inf when the whole row is -inf (s = 0)
-    tl.store(LSE + row, lse2 * LN2)
+    tl.store(LSE + row, lse2 * _LN2)
     tl.store(SUMP2 + row, q / (s * s))
-    tl.store(ENT + row, (log2_s - w / s) * LN2)
+    tl.store(ENT + row, (log2_s - w / s) * _LN2)
     k = tl.load(IDS + row)
     ok = (k >= 0) & (k < V)  # out-of-range ids give NaN instead of reading out of bounds
     zk = tl.load(x_row + k, mask=ok, other=float("nan")).to(tl.float32) * scale
-    tl.store(LOGP + row, (zk - lse2) * LN2)
+    tl.store(LOGP + row, (zk - lse2) * _LN2)
     if HAS_TOPK:
         ko = tl.arange(0, BLOCK_K)
         kid = tl.load(TOPK + row * stride_tk + ko, mask=ko < K, other=0)
         kok = (kid >= 0) & (kid < V)
         zt = tl.load(x_row + kid, mask=(ko < K) & kok, other=float("nan")).to(tl.float32) * scale
-        tl.store(TOPK_LOGP + row * stride_tl + ko, (zt - lse2) * LN2, mask=ko < K)
+        tl.store(TOPK_LOGP + row * stride_tl + ko, (zt - lse2) * _LN2, mask=ko < K)
 
 
 def _logp_bwd(
@@ -97,7 +100,7 @@ def _logp_bwd(
     x_row = X + row * stride_x
     dx_row = DX + row * stride_dx
     offs = tl.arange(0, BLOCK_V)
-    lse2 = tl.load(LSE + row) * 1.4426950408889634
+    lse2 = tl.load(LSE + row) * _LOG2E
     g = tl.load(G + row).to(tl.float32) * inv_t
     k = tl.load(IDS + row)
     for start in range(0, V, BLOCK_V):
@@ -213,3 +216,38 @@ def backward(
         BLOCK_V=bv, num_warps=num_warps or NUM_WARPS,
     )
     return grad
+
+
+def compile_check(arch: int = 90, dtypes=("bf16", "fp16", "fp32"), num_warps: int | None = None) -> list[str]:
+    """Compile every kernel variant for ``sm_{arch}`` down to a cubin, without a GPU.
+
+    Catches what the interpreter cannot (constexpr globals, type rules of the compiler,
+    ptxas errors). Needs ``TRITON_INTERPRET`` unset when triton is imported. Returns one
+    line per variant.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as tcompile
+
+    if language_interpreted():
+        raise RuntimeError("compile_check: triton was imported with TRITON_INTERPRET=1")
+    fwd, bwd = triton.jit(_row_stats_fwd), triton.jit(_logp_bwd)
+    target = GPUTarget("cuda", arch, 32)
+    opts = {"num_warps": num_warps or NUM_WARPS}
+    done = []
+    for dt in dtypes:
+        for has_topk in (True, False):
+            sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "TOPK": "*i64", "stride_tk": "i32",
+                   "LSE": "*fp32", "LOGP": "*fp32", "SUMP2": "*fp32", "ENT": "*fp32", "TOPK_LOGP": "*fp32",
+                   "stride_tl": "i32", "V": "i32", "K": "i32", "scale": "fp32",
+                   "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "HAS_TOPK": "constexpr"}
+            src = ASTSource(fwd, sig, constexprs={"BLOCK_V": FWD_BLOCK_V, "BLOCK_K": 32, "HAS_TOPK": has_topk})
+            k = tcompile(src, target=target, options=opts)
+            assert k.asm.get("cubin"), "no cubin produced"
+            done.append(f"fwd {dt} topk={has_topk} sm_{arch}: {len(k.asm['cubin'])} bytes")
+        sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "LSE": "*fp32", "G": "*fp32", "DX": f"*{dt}",
+               "stride_dx": "i32", "V": "i32", "scale": "fp32", "inv_t": "fp32", "BLOCK_V": "constexpr"}
+        k = tcompile(ASTSource(bwd, sig, constexprs={"BLOCK_V": BWD_BLOCK_V}), target=target, options=opts)
+        assert k.asm.get("cubin"), "no cubin produced"
+        done.append(f"bwd {dt} sm_{arch}: {len(k.asm['cubin'])} bytes")
+    return done

@@ -1,16 +1,17 @@
 """Chunked plain-torch implementation of the fused row statistics (CPU, and fallback).
 
 One pass of ``exp`` per element, over row chunks small enough to stay in cache. For a
-chunk of rows ``x`` (any float dtype), with ``c = 1 / T`` and ``m`` the row max of x::
+chunk of rows ``x`` (any float dtype), with ``z = x / T`` computed as ``x * (1/T)`` in the
+compute dtype and ``m`` the row max of z::
 
-    y = c (x - m)             # (rows, V) compute dtype, <= 0, one buffer
+    y = z - m                 # (rows, V) compute dtype, <= 0, one buffer
     e = exp(y)                # (rows, V) second buffer; the only exp
     s = sum e,  q = sum e^2,  w = sum e y
 
-    lse     = c m + log s
+    lse     = m + log s
     sum_p2  = q / s^2                      (p = e / s)
     entropy = log s - w / s                (= -sum p log p; both terms >= 0, no cancellation)
-    logp    = c (x_k - m) - log s          (x_k gathered from the input, so -inf stays -inf)
+    logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
 
 Peak extra memory: two (rows, V) buffers of the compute dtype plus O(N K) outputs.
 Naive equivalent: ``pdmask.stats.reduce_rows`` (the test oracle).
@@ -33,10 +34,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rows_per_chunk(vocab_size: int, chunk_rows: int | None) -> int:
+#: On a GPU the chunk only bounds memory (each op is a kernel launch): 16 M elements,
+#: 64 MiB of float32 per buffer, as the reference path.
+CHUNK_ELEMENTS_CUDA = 1 << 24
+
+
+def rows_per_chunk(vocab_size: int, chunk_rows: int | None, device: torch.device | str = "cpu") -> int:
     if chunk_rows is not None:
         return chunk_rows
-    return max(1, CHUNK_ELEMENTS // max(vocab_size, 1))
+    budget = CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+    return max(1, budget // max(vocab_size, 1))
 
 
 def _safe_max(m: torch.Tensor) -> torch.Tensor:
@@ -58,8 +65,8 @@ def forward(
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
     c = 1.0 / temperature
-    step = rows_per_chunk(V, chunk_rows)
-    m = torch.empty(N, 1, dtype=cdt, device=dev)  # row max of the raw logits
+    step = rows_per_chunk(V, chunk_rows, logits.device)
+    m = torch.empty(N, 1, dtype=cdt, device=dev)  # row max of z = x / T
     s = torch.empty(N, dtype=cdt, device=dev)
     q = torch.empty(N, dtype=cdt, device=dev)
     w = torch.empty(N, dtype=cdt, device=dev)
@@ -70,16 +77,22 @@ def forward(
     for a in range(0, N, step):
         b = min(a + step, N)
         x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
-        if same:
+        if same and c == 1.0:
             torch.amax(x, -1, keepdim=True, out=mc)
-        else:
-            mc.copy_(x.amax(-1, keepdim=True))  # exact: the max of bf16 values is a bf16 value
-        _safe_max(mc)
-        if c == 1.0:
+            _safe_max(mc)
             torch.sub(x, mc, out=y)
         else:
-            # c x - c m in one pass (input upcast on the fly); exactly 0 at the max
-            torch.add(mc * -c, x, alpha=c, out=y)
+            # upcast (and scale) into the buffer first: reductions and arithmetic on
+            # float32 run faster on CPU than on bf16/fp16 input
+            if same:
+                torch.mul(x, c, out=y)
+            else:
+                y.copy_(x)
+                if c != 1.0:
+                    y.mul_(c)
+            torch.amax(y, -1, keepdim=True, out=mc)
+            _safe_max(mc)
+            y.sub_(mc)
         torch.exp(y, out=e)
         torch.sum(e, -1, out=s[a:b])
         y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
@@ -88,9 +101,8 @@ def forward(
         torch.sum(e, -1, out=q[a:b])
     del ybuf, ebuf
     _fix_neg_inf(logits, m, s, w, c, step)
-    m1 = m.squeeze(1)
     log_s = s.log()
-    lse = m1 * c + log_s
+    lse = m.squeeze(1) + log_s
     out = {
         "lse": lse,
         "logp": _logp_at(logits, sampled_ids[:, None], m, log_s[:, None], c).squeeze(1),
@@ -103,11 +115,11 @@ def forward(
 
 
 def _logp_at(logits, ids, m, log_s, c) -> torch.Tensor:
-    """``c (x_ids - m) - log s`` (N, J), the same arithmetic as the chunk's ``y``."""
+    """``z_ids - m - log s`` (N, J), with the same roundings as the chunk's ``y``."""
     xg = logits.gather(1, ids).to(m.dtype)  # (N, J)
-    if c == 1.0:
-        return xg.sub_(m).sub_(log_s)
-    return (xg * c).sub_(m * c).sub_(log_s)
+    if c != 1.0:
+        xg.mul_(c)
+    return xg.sub_(m).sub_(log_s)
 
 
 def _fix_neg_inf(logits, m, s, w, c, step) -> None:
@@ -123,7 +135,10 @@ def _fix_neg_inf(logits, m, s, w, c, step) -> None:
     idx = bad.nonzero().squeeze(1)
     for a in range(0, idx.numel(), step):
         r = idx[a : a + step]
-        y = (logits[r].to(m.dtype) - m[r]) * c
+        y = logits[r].to(m.dtype)
+        if c != 1.0:
+            y.mul_(c)
+        y.sub_(m[r])
         e = y.exp()
         w[r] = torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
 
@@ -145,7 +160,7 @@ def backward(
     N, V = logits.shape
     cdt = lse.dtype
     c = 1.0 / temperature
-    step = rows_per_chunk(V, chunk_rows)
+    step = rows_per_chunk(V, chunk_rows, logits.device)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     # rows whose lse is not finite (all -inf padding rows) get p = exp(-inf) = 0, not NaN
     lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
@@ -154,8 +169,14 @@ def backward(
     buf = None if same else torch.empty(min(step, N), V, dtype=cdt, device=logits.device)
     for a in range(0, N, step):
         b = min(a + step, N)
-        y = grad[a:b] if same else buf[: b - a]
-        torch.add(lse[a:b, None].neg(), logits[a:b], alpha=c, out=y)
+        if same and c == 1.0:
+            y = torch.sub(logits[a:b], lse[a:b, None], out=grad[a:b])
+        else:
+            y = grad[a:b] if same else buf[: b - a]
+            y.copy_(logits[a:b])  # upcast first: float32 arithmetic is the fast path on CPU
+            if c != 1.0:
+                y.mul_(c)
+            y.sub_(lse[a:b, None])
         y.exp_().mul_(gc[a:b, None].neg())  # -g p / T
         y.scatter_add_(1, sampled_ids[a:b, None], gc[a:b, None])  # + g e_k / T
         if not same:
