@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
 
@@ -93,3 +95,21 @@ def assert_agree(got, want, dtype, keys=KEYS, rows=None, zmax=10.0):
         if rows is not None:
             a, b = a[rows], b[rows]
         torch.testing.assert_close(a, b, **t, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class AllocRecorder(TorchDispatchMode):
+    """Records the element count of every fresh tensor an op returns (views, in-place and
+    out= results share storage with an input and are not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in ins:
+                self.sizes.append((func.__name__, t.numel()))
+        return out

@@ -8,29 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from _ops_cases import AllocRecorder
 
 from pdmask import ops
 from pdmask.ops import _torch
-
-
-class AllocRecorder(TorchDispatchMode):
-    """Records the element count of every fresh tensor an op returns (views, in-place and
-    out= results share storage with an input and are not allocations)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-               if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
-                self.sizes.append((func.__name__, t.numel()))
-        return out
 
 
 def _largest(fn):

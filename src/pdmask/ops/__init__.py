@@ -38,7 +38,7 @@ from ._autograd import KEYS, FusedRowStats
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
-__all__ = ["IMPLS", "KEYS", "FusedRowStats", "resolve_impl", "row_stats", "triton_available"]
+__all__ = ["IMPLS", "KEYS", "FusedRowStats", "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
 
 
 @lru_cache(maxsize=1)
@@ -142,3 +142,55 @@ def _reference(logits, ids, tk, temperature, chunk_rows) -> dict[str, torch.Tens
     red = reduce_rows(logits, ids, tk, temperature=temperature, chunk_rows=rows)
     red["logp"] = sampled_logprob(logits, ids, red["lse"], temperature, rows)
     return red
+
+
+def hidden_row_stats(
+    hidden: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    sampled_ids: torch.Tensor,  # (N,)
+    topk_ids: torch.Tensor | None = None,  # (N, K)
+    *,
+    temperature: float = 1.0,
+    chunk_cols: int | None = None,
+    validate: bool = True,
+) -> dict[str, torch.Tensor]:
+    """:func:`row_stats` of ``logits = hidden @ weight.T`` without materialising the logits.
+
+    The vocabulary is walked in chunks of ``chunk_cols`` columns (default: 4 M logits per
+    chunk), Cut-Cross-Entropy style (see :mod:`pdmask.ops._hidden`); ``logp`` is
+    differentiable in ``hidden`` and ``weight``. Plain torch only (no Triton kernel yet);
+    no LM-head bias and no logit soft-capping. Same keys and dtypes as :func:`row_stats`.
+
+    Naive equivalent: ``row_stats(hidden @ weight.T, sampled_ids, topk_ids, ...)``.
+    """
+    from . import _hidden
+
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+            raise ValueError(f"{name}: expected a floating-point 2-D tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight: expected shape (V, {hidden.shape[1]}) to match hidden (N, H), "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight: must have the dtype and device of hidden ({hidden.dtype}, {hidden.device}), "
+                         f"got {weight.dtype}, {weight.device}")
+    N, V = hidden.shape[0], weight.shape[0]
+    # shape / dtype / temperature checks of row_stats on a storage-less (N, V) stand-in
+    _check(torch.empty(N, V, device="meta"), sampled_ids, topk_ids, temperature, None, values=False)
+    if validate:
+        for name, t in (("sampled_ids", sampled_ids), ("topk_ids", topk_ids)):
+            if t is not None and t.numel() and bool(((t < 0) | (t >= V)).any()):
+                raise ValueError(f"{name}: ids must lie in [0, {V})")
+    if chunk_cols is not None and (not isinstance(chunk_cols, int) or isinstance(chunk_cols, bool) or chunk_cols < 1):
+        raise ValueError(f"chunk_cols: must be a positive int (vocabulary columns per chunk), got {chunk_cols!r}")
+    ids = sampled_ids.long()
+    tk = None if topk_ids is None else topk_ids.long()
+    if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        res = _hidden.HiddenRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_cols)
+        out = dict(zip(KEYS, res))
+        if tk is None:
+            del out["topk_logp"]
+        return out
+    return _hidden.forward(hidden.detach(), weight.detach(), ids, tk, temperature=float(temperature),
+                           chunk_cols=chunk_cols)
