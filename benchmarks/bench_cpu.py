@@ -74,10 +74,12 @@ def measure_memory(name: str, T: int, V: int, K: int, dt: str) -> None:
     x, k, tk = make_inputs(T, V, K, DTYPES[dt])
     methods(x[:2], k[:2], tk[:2], with_bwd=True)[name]()  # page in code, start threads: not counted
     fns = methods(x, k, tk, with_bwd=True)
+    # VmHWM is the peak resident set; "5" in clear_refs resets it to the current RSS, so
+    # the peaks of input creation and warm-up are not counted
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     before = _status_mib("VmRSS")
     fns[name]()
-    # VmHWM: peak resident set of this process image (reset by exec, unlike ru_maxrss,
-    # which Linux carries over from the parent at fork)
     print(f"{max(_status_mib('VmHWM') - before, 0.0):.1f}")
 
 

@@ -18,7 +18,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_forward_matches_reference(dtype, kind, temperature):
     if kind == "offset" and dtype == torch.float16:
-        pytest.skip("1000 + N(0, 9) logits are not representable in float16 beyond +-0.5")
+        pytest.skip("float16 has a spacing of 0.5 at 1000: the offset case is a bf16/fp32/fp64 case")
     N, V, K = 13, 301, 7  # N not a multiple of chunk_rows = 4
     x = make_logits(N, V, dtype, kind=kind)
     k, tk = make_ids(N, V, K)
@@ -68,11 +68,9 @@ def test_all_neg_inf_row_gives_non_finite_lse_not_crash():
     assert_agree(got, ref, torch.float32, rows=torch.tensor([0, 2]))
 
 
-@pytest.mark.parametrize("V,K", [(1, 1), (2, 1), (9, 9), (300, 1), (300, 300)])
-@pytest.mark.parametrize("inside", [True, False])
+@pytest.mark.parametrize("V,K,inside", [(1, 1, True), (2, 1, True), (2, 1, False), (9, 9, True), (300, 1, True),
+                                         (300, 1, False), (300, 300, True), (300, 20, False)])
 def test_k_edges_and_sampled_inside_outside(V, K, inside):
-    if not inside and K == V:
-        pytest.skip("with K = V the sampled token is always in the top-K")
     x = make_logits(5, V, torch.float32)
     k, tk = make_ids(5, V, K, sampled_in_topk=inside)
     assert bool((tk == k[:, None]).any(-1).all()) == inside or K == V
