@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdmask.engine.vllm import VLLMEngine, import_vllm, parse_flat_sample_logprobs
+from pdmask.engine.vllm import VLLMEngine, import_vllm
 
 try:
     import_vllm()
@@ -354,11 +354,26 @@ def test_fp8_refused_on_cpu_and_head_dim_checked(model_dir, tmp_path):
         VLLMEngine(tmp_path)
 
 
-def test_from_model_in_memory(engines, hf):
+def test_from_model_in_memory_and_trainer_factory(engines, hf):
+    from pdmask.engine.registry import make_engine
+
     engines.close()
-    e = VLLMEngine.from_model(hf, temperature=TEMP, top_k_logprobs=K, max_num_seqs=8, max_model_len=128)
+    fresh = _model(5)  # never saved: its config has no `architectures`, from_model supplies it
+    assert not fresh.config.architectures
+    e = make_engine("vllm", fresh, eos_id=1, pad_id=2, precision="fp32", temperature=TEMP, top_k_logprobs=K,
+                    max_num_seqs=8, max_model_len=128)
     try:
+        assert isinstance(e, VLLMEngine) and e.eos_token_ids == [1] and e.pad_token_id == 2
+        assert _check_engine_matches(e, fresh, PROMPTS, 0) < ATOL_FP32
+        # checkpoints under policy lag: state_dict() is what the engine serves, load_state_dict restores it
+        sd0 = e.state_dict()
+        assert torch.equal(sd0["model.norm.weight"], fresh.state_dict()["model.norm.weight"])
+        e.load_weights(hf.state_dict())
+        assert torch.equal(e.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           hf.state_dict()["model.layers.0.mlp.up_proj.weight"])
         assert _check_engine_matches(e, hf, PROMPTS, 0) < ATOL_FP32
+        e.load_state_dict(sd0)
+        assert _check_engine_matches(e, fresh, PROMPTS, 0) < ATOL_FP32
         tmp = e._tmpdir
     finally:
         e.close()
@@ -374,20 +389,3 @@ def test_bf16_engine_has_real_but_bounded_mismatch(engines, model_dir, hf):
     err = (batch.sampled_logprob[m] - ref.gather(-1, batch.response_ids[..., None]).squeeze(-1)[m]).abs()
     assert err.max() > 10 * ATOL_FP32  # bf16 weights/activations: a mismatch fp32 does not have
     assert err.max() < 0.5
-
-
-def test_dict_logprobs_parser_matches_flat():
-    # vLLM's default (non-flat) format: sampled token looked up by id, top-K by rank
-    from vllm.logprobs import FlatLogprobs, Logprob
-
-    toks = [7, 3]
-    dicts = [{7: Logprob(-0.5, 1), 4: Logprob(-1.5, 2)},  # sampled is rank 1 (merged entry)
-             {3: Logprob(-3.0, 9), 1: Logprob(-0.2, 1), 2: Logprob(-2.0, 2)}]  # sampled outside
-    flat = FlatLogprobs()
-    flat.append_fast([7, 7, 4], [-0.5, -0.5, -1.5], iter([1, 1, 2]), [None] * 3)
-    flat.append_fast([3, 1, 2], [-3.0, -0.2, -2.0], iter([9, 1, 2]), [None] * 3)
-    a = parse_flat_sample_logprobs(dicts, toks, 2)
-    b = parse_flat_sample_logprobs(flat, toks, 2)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    assert a[0].tolist() == [-0.5, -3.0] and a[1].tolist() == [[7, 4], [1, 2]]

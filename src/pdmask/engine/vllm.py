@@ -11,8 +11,9 @@ What each method returns and how:
   ``logprobs_mode="processed_logprobs"``, so every reported log-prob is one of
   ``log_softmax(engine_logits / temperature)`` -- the distribution the token was drawn
   from -- and not of the raw logits. vLLM returns, per generated token, the sampled token
-  first and then the top-K in rank order (``flat_logprobs=True`` keeps these as flat lists,
-  parsed by :func:`parse_flat_sample_logprobs`). One seed per request is derived from
+  first and then the top-K in rank order (``flat_logprobs=True`` keeps these as flat
+  lists); :func:`pdmask.integrations.vllm.from_vllm_outputs` turns them into padded
+  tensors and checks the logprobs mode. One seed per request is derived from
   ``seed`` and the row index, so a call is reproducible and repeated prompts (a GRPO group)
   still get different samples.
 * :meth:`VLLMEngine.load_weights` -- ``collective_rpc("reload_weights",
@@ -56,13 +57,17 @@ from typing import Any
 import torch
 
 from .base import RolloutBatch, RolloutEngine
+from .registry import register_engine
 
-#: precision name -> (vLLM dtype, vLLM quantization)
+#: precision name -> (vLLM dtype, vLLM quantization). ``fp8`` / ``fp8-bf16`` are vLLM's own
+#: online fp8 quantisation (bf16 activations; W8A8 on GPUs with fp8 matmuls), not the HF
+#: engine's simulated weight-only round trip.
 PRECISIONS: dict[str, tuple[str, str | None]] = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "fp16": ("float16", None),
     "fp8": ("bfloat16", "fp8"),
+    "fp8-bf16": ("bfloat16", "fp8"),
 }
 _ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,44 +109,6 @@ def request_seeds(seed: int, n: int) -> list[int]:
     import numpy as np
 
     return [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in range(n)]
-
-
-def parse_flat_sample_logprobs(flat: Any, token_ids: Sequence[int], k: int):
-    """Per-token (sampled log-prob, top-K ids, top-K log-probs) from vLLM sample logprobs.
-
-    vLLM reports, for each generated token, the sampled token first and then the top-K in
-    rank order (``flat_logprobs=True``: one flat list, K + 1 entries per position). The
-    dict format (``list[dict[id, Logprob]]``, default) is also accepted: there the top-K
-    are the entries of rank 1..K and the sampled token is looked up by id.
-
-    Returns ``(sampled (n,) float32, topk_ids (n, K) int64, topk_logprobs (n, K) float32)``.
-    """
-    n = len(token_ids)
-    if hasattr(flat, "start_indices"):  # vllm.logprobs.FlatLogprobs
-        if len(flat.start_indices) != n:
-            raise RuntimeError(f"vLLM returned log-probs for {len(flat.start_indices)} of {n} tokens")
-        widths = {e - s for s, e in zip(flat.start_indices, flat.end_indices)}
-        if widths != {k + 1}:
-            raise RuntimeError(f"vLLM returned {sorted(widths)} log-probs per token, expected K + 1 = {k + 1}")
-        ids = torch.tensor(flat.token_ids[flat.start_indices[0]:flat.end_indices[-1]], dtype=torch.int64)
-        lps = torch.tensor(flat.logprobs[flat.start_indices[0]:flat.end_indices[-1]], dtype=torch.float32)
-        ids, lps = ids.view(n, k + 1), lps.view(n, k + 1)  # (n, 1 + K): sampled, then ranks 1..K
-        if not torch.equal(ids[:, 0], torch.as_tensor(list(token_ids), dtype=torch.int64)):
-            raise RuntimeError("vLLM's first log-prob entry is not the sampled token")
-        return lps[:, 0].contiguous(), ids[:, 1:].contiguous(), lps[:, 1:].contiguous()
-    if flat is None or len(flat) != n:
-        raise RuntimeError("vLLM returned no per-token log-probs (was logprobs=K requested?)")
-    sampled = torch.empty(n, dtype=torch.float32)
-    tk_ids = torch.empty(n, k, dtype=torch.int64)
-    tk_lp = torch.empty(n, k, dtype=torch.float32)
-    for t, (tok, pos) in enumerate(zip(token_ids, flat)):
-        sampled[t] = pos[tok].logprob
-        ranked = sorted((lp.rank, i, lp.logprob) for i, lp in pos.items() if lp.rank is not None and lp.rank <= k)
-        if len(ranked) != k:
-            raise RuntimeError(f"vLLM returned {len(ranked)} top-K entries, expected {k}")
-        tk_ids[t] = torch.tensor([i for _, i, _ in ranked])
-        tk_lp[t] = torch.tensor([lp for _, _, lp in ranked])
-    return sampled, tk_ids, tk_lp
 
 
 def parse_flat_prompt_logprobs(flat: Any, length: int, vocab_size: int) -> torch.Tensor:
@@ -206,8 +173,10 @@ class VLLMEngine(RolloutEngine):
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (override the above).
 
     In-process mode (the default here) allows one open engine per process: :meth:`close`
-    one before building the next.
+    one (or drop every reference to it) before building the next.
     """
+
+    name = "vllm"
 
     def __init__(
         self,
@@ -259,6 +228,7 @@ class VLLMEngine(RolloutEngine):
         if self.tied and self._embed_key is None:
             raise ValueError("model_dir: tied embeddings but no '*embed_tokens.weight' in the checkpoint")
         self.weight_version = 0
+        self._weights: dict[str, torch.Tensor] | None = None  # None: still the checkpoint's
 
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -296,6 +266,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(engine_kwargs or {})
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        if self.in_process and _OPEN_INPROCESS:
+            gc.collect()  # an engine nobody references any more shuts down when collected
         if self.in_process and any(e._llm is not None for e in _OPEN_INPROCESS):
             raise RuntimeError("another VLLMEngine is open in this process: close() it first (vLLM's "
                                "in-process engine shares process-global state between engines)")
@@ -316,6 +288,9 @@ class VLLMEngine(RolloutEngine):
         tmp = tempfile.mkdtemp(prefix="pdmask-vllm-")
         try:
             cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            if not cfg.get("architectures"):
+                raise ValueError("config: needs 'architectures' (e.g. ['Qwen3ForCausalLM']): vLLM picks "
+                                 "its model class by it")
             Path(tmp, "config.json").write_text(json.dumps(cfg, indent=1, default=str))
             tied = bool(cfg.get("tie_word_embeddings", False))
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()
@@ -331,7 +306,11 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def from_model(cls, model: Any, **kwargs) -> VLLMEngine:
         """Build from a transformers ``PreTrainedModel`` (its current weights and config)."""
-        return cls.from_state_dict(model.state_dict(), model.config, **kwargs)
+        cfg = model.config.to_dict()
+        if not cfg.get("architectures"):  # set by save_pretrained; vLLM picks its model class by it
+            cfg["architectures"] = [type(model).__name__]
+        cfg["dtype"] = "float32"  # the checkpoint dtype; the engine dtype comes from `precision`
+        return cls.from_state_dict(model.state_dict(), cfg, **kwargs)
 
     @staticmethod
     def _default_kv_bytes(cfg, hd, max_num_seqs, dtype) -> int:
@@ -409,24 +388,23 @@ class VLLMEngine(RolloutEngine):
                   for s in request_seeds(seed, len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
+        from ..integrations.vllm import from_vllm_outputs
+
         B, K = len(prompts), self.top_k_logprobs
+        r = from_vllm_outputs(outs, k=K, sampling_params=params[0], logprobs_mode="processed_logprobs",
+                              pad_id=self.pad_token_id)  # (B, T) / (B, T, K), T = longest response
+        T = r.response_mask.shape[1]
         P = max(len(p) for p in prompts)
-        T = max(len(o.outputs[0].token_ids) for o in outs)
         seqs = torch.full((B, P + T), self.pad_token_id, dtype=torch.int64)
         attn = torch.zeros(B, P + T, dtype=torch.bool)
-        resp_mask = torch.zeros(B, T, dtype=torch.bool)
-        sampled = torch.zeros(B, T, dtype=torch.float32)
-        tk_ids = torch.zeros(B, T, K, dtype=torch.int64)
-        tk_lp = torch.zeros(B, T, K, dtype=torch.float32)
-        for i, (p, o) in enumerate(zip(prompts, outs)):
-            c = o.outputs[0]
-            n = len(c.token_ids)
+        for i, p in enumerate(prompts):
             seqs[i, P - len(p):P] = torch.tensor(p)
-            seqs[i, P:P + n] = torch.tensor(list(c.token_ids))
-            attn[i, P - len(p):P + n] = True
-            resp_mask[i, :n] = True
-            s, ids, lps = parse_flat_sample_logprobs(c.logprobs, c.token_ids, K)
-            sampled[i, :n], tk_ids[i, :n], tk_lp[i, :n] = s, ids, lps
+            attn[i, P - len(p):P] = True
+        seqs[:, P:] = r.sampled_ids
+        attn[:, P:] = r.response_mask
+        resp_mask, sampled = r.response_mask, r.sampled_logprob
+        tk_ids = r.topk_ids if K else torch.zeros(B, T, 0, dtype=torch.int64)
+        tk_lp = r.topk_logprobs if K else torch.zeros(B, T, 0)
         bad = ~torch.isfinite(sampled) & resp_mask
         if bad.any():  # a sampled token has mu > 0, so -inf/NaN means broken weights
             raise RuntimeError(f"vLLM returned non-finite sampled-token log-probs at {int(bad.sum())} "
@@ -511,7 +489,41 @@ class VLLMEngine(RolloutEngine):
             v = v.detach()
             items.append((k, v.to(dtype) if v.is_floating_point() else v))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        # snapshot for state_dict(): vLLM's repacked weights cannot be read back
+        self._weights = {k: v.to("cpu", copy=True) for k, v in items if k != "lm_head.weight" or not self.tied}
         # KV blocks cached under the old weights would otherwise be reused for equal prefixes
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         self.weight_version += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the engine serves (cast to its dtype), for checkpoints under policy lag.
+
+        vLLM repacks its weights, so they cannot be read back from it: the engine keeps a
+        CPU copy of the last update (one extra copy of the model in host memory)."""
+        if self._weights is None:
+            from safetensors.torch import load_file
+
+            dtype = _TORCH_DTYPES[PRECISIONS[self.precision][0]]
+            out: dict[str, torch.Tensor] = {}
+            for f in sorted(self.model_dir.glob("*.safetensors")):
+                out.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
+            return out
+        return dict(self._weights)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Restore weights saved with :meth:`state_dict`."""
+        self.load_weights(state_dict)
+
+
+def make_vllm_engine(model, *, tokenizer=None, eos_id: int, pad_id: int, precision: str = "fp32",
+                     temperature: float = 1.0, top_k_logprobs: int = 20, **options) -> VLLMEngine:
+    """The trainer's factory (``engine: vllm``): a :class:`VLLMEngine` with a copy of ``model``'s
+    weights. ``options`` are :class:`VLLMEngine` keyword arguments (``max_model_len``,
+    ``kv_cache_bytes``, ``engine_kwargs``, ...)."""
+    return VLLMEngine.from_model(model, eos_token_id=eos_id, pad_token_id=pad_id, precision=precision,
+                                 temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
+
+
+register_engine("vllm", make_vllm_engine)
