@@ -316,12 +316,17 @@ def test_load_weights_rejects_bad_state_dicts(engine, hf):
     assert _check_engine_matches(engine, hf, PROMPTS, 0) < ATOL_FP32  # nothing was loaded
 
 
-def test_one_open_engine_per_process(engine, model_dir):
-    with pytest.raises(RuntimeError, match="close"):
-        _engine(model_dir)
-
-
-# ----------------------------------------------------------------------------- precision & args
+def test_new_engine_closes_the_previous_one(engines, model_dir):
+    old = engines.get(model_dir)
+    with pytest.warns(RuntimeWarning, match="one engine per process"):
+        new = _engine(model_dir)
+    try:
+        with pytest.raises(RuntimeError, match="closed"):
+            old.generate(PROMPTS, max_new_tokens=2, seed=0)
+        assert new.generate(PROMPTS, max_new_tokens=2, seed=0).response_mask.any()
+    finally:
+        new.close()
+        engines.close()
 
 
 def test_bad_arguments(model_dir, engine):

@@ -49,6 +49,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -172,8 +173,9 @@ class VLLMEngine(RolloutEngine):
         seed: engine-level seed (per-request seeds come from :meth:`generate`).
         engine_kwargs: extra keyword arguments for ``vllm.LLM`` (override the above).
 
-    In-process mode (the default here) allows one open engine per process: :meth:`close`
-    one (or drop every reference to it) before building the next.
+    In-process mode (the default here) allows one open engine per process: building a
+    new one closes the previous one (with a ``RuntimeWarning``); a closed engine raises
+    ``RuntimeError`` when used.
     """
 
     name = "vllm"
@@ -266,11 +268,16 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(engine_kwargs or {})
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        if self.in_process and _OPEN_INPROCESS:
-            gc.collect()  # an engine nobody references any more shuts down when collected
-        if self.in_process and any(e._llm is not None for e in _OPEN_INPROCESS):
-            raise RuntimeError("another VLLMEngine is open in this process: close() it first (vLLM's "
-                               "in-process engine shares process-global state between engines)")
+        if self.in_process:
+            for other in list(_OPEN_INPROCESS):
+                if other._llm is not None:
+                    # vLLM's in-process engine core keeps process-global state: building a second
+                    # engine next to a live one breaks the first when either shuts down. The
+                    # trainer never closes its engine explicitly, so the older one is closed here.
+                    warnings.warn("closing the previous VLLMEngine: vLLM's in-process mode allows one "
+                                  "engine per process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 for several)",
+                                  RuntimeWarning, stacklevel=2)
+                    other.close()
         self._vllm = vllm
         self._llm = vllm.LLM(**kwargs)
         if self.in_process:
