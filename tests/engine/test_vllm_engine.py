@@ -394,3 +394,50 @@ def test_bf16_engine_has_real_but_bounded_mismatch(engines, model_dir, hf):
     err = (batch.sampled_logprob[m] - ref.gather(-1, batch.response_ids[..., None]).squeeze(-1)[m]).abs()
     assert err.max() > 10 * ATOL_FP32  # bf16 weights/activations: a mismatch fp32 does not have
     assert err.max() < 0.5
+
+
+_MP_SCRIPT = '''
+import os, sys, torch
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+from pdmask.engine.vllm import VLLMEngine
+from transformers import AutoModelForCausalLM
+
+def err(e, hf, ids):
+    b = e.generate([ids], max_new_tokens=3, seed=0, return_logits=True)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(b.sequences[:, :-1]).logits[0, -3:], -1)
+    return (b.logits[0] - ref).abs().max().item()
+
+if __name__ == "__main__":  # the multiprocess engine core is spawned: the guard is required
+    hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+    e = VLLMEngine(sys.argv[1], max_num_seqs=4, max_model_len=128, engine_kwargs={"block_size": 32})
+    ids = list(range(40, 110))
+    before = err(e, hf, ids)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    stale = err(e, hf, ids)
+    e.load_weights({k: v for k, v in hf.named_parameters()})  # tied: no lm_head in the dict
+    print("RESULT", before, stale, err(e, hf, ids))
+    e.close()
+'''
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_core_weight_update(model_dir, tmp_path, engines):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: weights reach the engine-core process through a file."""
+    import os
+    import subprocess
+    import sys
+
+    engines.close()
+    script = tmp_path / "mp.py"
+    script.write_text(_MP_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-W", "ignore", str(script), str(model_dir)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-4000:]
+    before, stale, after = map(float, line.split()[1:])
+    assert before < ATOL_FP32 and stale > 0.05 and after < ATOL_FP32

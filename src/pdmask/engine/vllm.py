@@ -17,7 +17,8 @@ What each method returns and how:
   ``seed`` and the row index, so a call is reproducible and repeated prompts (a GRPO group)
   still get different samples.
 * :meth:`VLLMEngine.load_weights` -- ``collective_rpc("reload_weights",
-  weights_iterator=...)`` (works in-process and with the multiprocess engine), then
+  weights_iterator=...)`` in-process (with the multiprocess engine core, whose RPC cannot
+  carry tensors, the weights go through a private safetensors file), then
   ``reset_prefix_cache()``. Two vLLM pitfalls are handled here: with tied embeddings the
   CPU backend keeps a separately repacked ``lm_head``, so ``lm_head.weight`` is always
   sent (copied from the embedding when the state dict lacks it) -- otherwise the engine
@@ -199,6 +200,7 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         self._llm = None
         self._tmpdir: str | None = None
+        self._update_dir: str | None = None
         self.model_dir = Path(model_dir)
         cfg_path = self.model_dir / "config.json"
         if not cfg_path.is_file():
@@ -345,9 +347,10 @@ class VLLMEngine(RolloutEngine):
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        for d in (self._tmpdir, self._update_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        self._tmpdir = self._update_dir = None
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -495,13 +498,27 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"state_dict[{k!r}]: shape {tuple(v.shape)} != checkpoint shape {want}")
             v = v.detach()
             items.append((k, v.to(dtype) if v.is_floating_point() else v))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if self.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        else:
+            self._reload_from_disk(items)
         # snapshot for state_dict(): vLLM's repacked weights cannot be read back
         self._weights = {k: v.to("cpu", copy=True) for k, v in items if k != "lm_head.weight" or not self.tied}
         # KV blocks cached under the old weights would otherwise be reused for equal prefixes
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         self.weight_version += 1
+
+    def _reload_from_disk(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        # The multiprocess engine core cannot receive tensors through collective_rpc (its
+        # serialiser fails on them), so the update goes through a private safetensors file.
+        from safetensors.torch import save_file
+
+        if self._update_dir is None:
+            self._update_dir = tempfile.mkdtemp(prefix="pdmask-vllm-update-")
+        path = Path(self._update_dir, "model.safetensors")
+        save_file({k: v.to("cpu").contiguous().clone() for k, v in items}, str(path), metadata={"format": "pt"})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._update_dir})
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:
