@@ -172,3 +172,13 @@ def test_two_processes_gloo(tmp_path):
         assert r["n_steps_logged"] == 2 and all(r["loss_matches"])
     # counts are summed over ranks in the logged metrics
     assert res[0]["logged_num_tokens"] == res[0]["local_num_tokens"] + res[1]["local_num_tokens"]
+
+
+def test_example_script_runs(tmp_path):
+    """The copy-paste example in docs/trl.md (one process, one step)."""
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1] / "src"), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(HERE.parents[1] / "examples" / "trl" / "train_grpo.py"),
+                        "--max-steps", "1", "--mask-mode", "dppo-topk-tv", "--output-dir", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step 1: loss" in p.stdout and "kept 1.000" in p.stdout  # one on-policy step: nothing masked
