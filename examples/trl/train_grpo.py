@@ -106,10 +106,14 @@ def main(argv=None):
     trainer.train()
     if trainer.accelerator.is_main_process:
         for h in trainer.state.log_history:
-            if "pdmask/kept_frac" in h:
-                print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {h['reward']:.3f} "
+            if "pdmask/kept_frac" in h:  # reward is logged on generation steps only
+                reward = f"{h['reward']:.3f}" if "reward" in h else "-"
+                print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {reward} "
                       f"kept {h['pdmask/kept_frac']:.3f} out_of_region {h['pdmask/out_of_region_frac']:.3f} "
                       f"disagreement {h['pdmask/disagreement_frac']:.3f}")
+    if torch.distributed.is_initialized():  # a clean exit for gloo/NCCL under accelerate/torchrun
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
