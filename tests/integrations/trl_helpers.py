@@ -57,7 +57,8 @@ class Probe(GRPOTrainer):
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
         self.records.append({
             "loss": loss.detach().clone(), "expected": expected, "logits": logits, "mask": mask,
-            "on_policy": self._step % a.steps_per_generation == 0 and a.gradient_accumulation_steps == 1,
+            # no optimizer step since this batch was generated (generation is aligned to steps)
+            "on_policy": self._step % a.steps_per_generation < a.gradient_accumulation_steps,
             "inputs": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
             "kept": ref.mask, "metrics": ref.metrics,
         })
