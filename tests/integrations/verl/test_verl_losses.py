@@ -96,7 +96,7 @@ def test_rollout_is_weights_multiply_per_token():
     ref, _ = _pdmask("dppo-binary-tv", logits, ids, rlp, adv, mask, agg="seq-mean-token-sum")
     expect = pdmask.aggregate(ref.token_loss * w, mask, "seq-mean-token-sum")
     torch.testing.assert_close(loss, expect, rtol=1e-12, atol=1e-12)
-    assert not math.isclose(float(loss), float(ref.loss))
+    assert not math.isclose(float(loss.detach()), float(ref.loss.detach()))
 
 
 def test_padding_garbage_does_not_leak():

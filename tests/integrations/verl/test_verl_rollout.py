@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from verl_helpers import needs_verl
+from verl_helpers import load_engine_fakes, needs_verl
 
 from pdmask.integrations.verl.rollout import (
     EXTRA_KEYS, TopKEngine, check_max_logprobs, completion_topk_fields, topk_from_config,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fakes import SamplingParams, vllm_sample  # noqa: E402
+_fakes = load_engine_fakes()
+SamplingParams, vllm_sample = _fakes.SamplingParams, _fakes.vllm_sample
 
 
 @pytest.mark.parametrize("flat", [False, True])

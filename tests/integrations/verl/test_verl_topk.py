@@ -11,21 +11,18 @@ the same logits.
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from verl_helpers import actor_config, needs_verl
+from verl_helpers import actor_config, load_engine_fakes, needs_verl
 
 import pdmask
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fakes import vllm_sample  # noqa: E402
+vllm_sample = load_engine_fakes().vllm_sample
 
 pytestmark = needs_verl
 
@@ -168,7 +165,6 @@ def test_engine_forward_step_equals_pdmask(monkeypatch, use_remove_padding, name
     model, prompts, responses, fields, adv = _build(seed=1)
     mb = _micro_batch(prompts, responses, fields, adv, use_remove_padding=use_remove_padding)
     cfg = actor_config(loss_mode=name)
-    cfg.policy_loss.loss_mode  # noqa: B018  (the worker's loss reads it via config.policy_loss.get)
     eng = _engine(monkeypatch, model)
     loss, out = eng.forward_step(mb, loss_function=partial(ppo_loss, config=cfg), forward_only=False)
     grads = torch.autograd.grad(loss, [model.E, model.Pe])
@@ -203,7 +199,7 @@ def test_pdm_and_ratio_masks_differ_somewhere(monkeypatch):
         mb = _micro_batch(prompts, responses, fields, adv, use_remove_padding=True)
         loss, _ = _engine(monkeypatch, model).forward_step(
             mb, loss_function=partial(ppo_loss, config=actor_config(loss_mode=name)), forward_only=False)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[0] != pytest.approx(losses[1], rel=1e-9)
 
 

@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 VERL_REASON = ("needs the 'verl' extra (pip install 'pdmask[verl]'; verl 0.9.1 needs transformers<5.11, so "
                "it lives in its own environment: bash .ci/verl.sh)")
-HAVE_VERL = importlib.util.find_spec("verl") is not None
+
+
+def _have_verl() -> bool:
+    # With tests/integrations on sys.path (pytest's prepend mode puts it there for its own
+    # tests) this very directory would pass for a namespace package called "verl": require
+    # a real package with an __init__.py.
+    spec = importlib.util.find_spec("verl")
+    return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
+
+
+HAVE_VERL = _have_verl()
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason=VERL_REASON)
+
+
+def load_engine_fakes():
+    """tests/integrations/engine_fakes.py (vLLM-shaped stand-ins), loaded by path under a
+    private name so no directory is added to sys.path."""
+    name = "_pdmask_verl_engine_fakes"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "engine_fakes.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up in sys.modules
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def actor_config(*, delta_low=0.05, delta_high=0.07, is_cap=5.0, loss_mode="vanilla", agg="token-mean",
