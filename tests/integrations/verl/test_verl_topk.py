@@ -58,8 +58,9 @@ def _build(seed=0, *, mode_shift=1.5):
         seq = list(prompts[b])
         for t in range(RESP_LENS[b]):
             pos = len(seq) - 1
-            z = (model.E[seq[pos]] + model.Pe[pos]).detach() + torch.randn(V, generator=g, dtype=torch.float64) * mode_shift
-            outs, ref = vllm_sample(z[None, None].float(), [1], k=K, temperature=TEMP, seed=seed * 100 + b * 10 + t)
+            noise = torch.randn(V, generator=g, dtype=torch.float64) * mode_shift
+            z = (model.E[seq[pos]] + model.Pe[pos]).detach() + noise
+            outs, _ = vllm_sample(z[None, None].float(), [1], k=K, temperature=TEMP, seed=seed * 100 + b * 10 + t)
             c = outs[0].outputs[0]
             comps.append((b, t, c))
             seq.append(c.token_ids[0])
@@ -171,9 +172,10 @@ def test_engine_forward_step_equals_pdmask(monkeypatch, use_remove_padding, name
 
     ref = _reference(model, prompts, responses, fields, adv, mode, estimator)
     ref_grads = torch.autograd.grad(ref.loss, [model.E, model.Pe])
-    # verl casts nothing here (fp64 model, fp32 rollout log-probs): agreement to fp32 rounding of mu
+    # fp64 model on both sides; the advantages travel as float32 in verl's batch (the reference
+    # keeps them in fp64), hence agreement to fp32 rounding rather than to fp64
     torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-7)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
     m = {k: (v.aggregate() if isinstance(v, Metric) else v) for k, v in out["metrics"].items()}
     for k in ("kept_frac", "masked_frac", "out_of_region_frac", "disagreement_frac", "divergence_mean",
