@@ -148,7 +148,9 @@ def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
         tk[b, :n] = torch.as_tensor(f["pdmask_topk_ids"], dtype=torch.long)
         tl[b, :n] = torch.as_tensor(f["pdmask_topk_logprobs"])
         assert ids[b, :n].tolist() == responses[b]
-    return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator, temperature=TEMP,
+    # verl scales the logits by the temperature held as a float32 tensor
+    t32 = float(torch.tensor(TEMP, dtype=torch.float32))
+    return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator, temperature=t32,
                               delta_low=0.05, delta_high=0.07, is_cap=5.0, **kw)
 
 
@@ -170,13 +172,12 @@ def test_engine_forward_step_equals_pdmask(monkeypatch, use_remove_padding, name
     loss, out = eng.forward_step(mb, loss_function=partial(ppo_loss, config=cfg), forward_only=False)
     grads = torch.autograd.grad(loss, [model.E, model.Pe])
 
-    ref = _reference(model, prompts, responses, fields, adv, mode, estimator)
+    # the advantages travel as float32 in verl's batch: give the reference the same values
+    ref = _reference(model, prompts, responses, fields, adv.float().double(), mode, estimator)
     ref_grads = torch.autograd.grad(ref.loss, [model.E, model.Pe])
-    # fp64 model on both sides; the advantages travel as float32 in verl's batch (the reference
-    # keeps them in fp64), hence agreement to fp32 rounding rather than to fp64
-    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-10, atol=1e-12)
     for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
     m = {k: (v.aggregate() if isinstance(v, Metric) else v) for k, v in out["metrics"].items()}
     for k in ("kept_frac", "masked_frac", "out_of_region_frac", "disagreement_frac", "divergence_mean",
               "rollout_tail_mass_mean", "entropy_mean"):
