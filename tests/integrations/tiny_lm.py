@@ -38,8 +38,9 @@ def tiny_model(seed: int = 0, hidden: int = 32, layers: int = 2):
 
 
 def prompts(n: int = 8) -> list[str]:
+    """Prompts of 2 to 6 tokens, so batches mix lengths and TRL left-pads them."""
     letters = list("abcdefghijklmnop")
-    return [f"say {letters[i % 16]} {letters[(3 * i + 1) % 16]} :" for i in range(n)]
+    return [" ".join(["say"] + [letters[(3 * i + j) % 16] for j in range(i % 5)] + [":"]) for i in range(n)]
 
 
 def reward_letter_a(completions, **kwargs) -> list[float]:

@@ -35,6 +35,10 @@ def main(outdir: str) -> None:
         "local_completions": tr.records[0]["inputs"]["completion_ids"].tolist(),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(res))
+    # Tear the process group down before exit: gloo's threads otherwise abort the
+    # interpreter at shutdown ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

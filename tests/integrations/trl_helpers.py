@@ -46,7 +46,8 @@ class Probe(GRPOTrainer):
             comp = inputs["completion_ids"]
             ids = torch.cat([inputs["prompt_ids"], comp], 1)
             am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-            logits = model(input_ids=ids, attention_mask=am).logits[:, P - 1:-1].float()  # full forward
+            pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # positions as generate() counts them
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1:-1].float()
             mask = inputs["completion_mask"].bool()
             ref = pdmask.policy_loss(
                 logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
@@ -57,7 +58,8 @@ class Probe(GRPOTrainer):
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
         self.records.append({
             "loss": loss.detach().clone(), "expected": expected, "logits": logits, "mask": mask,
-            "on_policy": self._step % a.steps_per_generation == 0 and a.gradient_accumulation_steps == 1,
+            # no optimizer step since this batch was generated (generation is aligned to steps)
+            "on_policy": self._step % a.steps_per_generation < a.gradient_accumulation_steps,
             "inputs": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
             "kept": ref.mask, "metrics": ref.metrics,
         })

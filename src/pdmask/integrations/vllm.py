@@ -150,28 +150,61 @@ def _rank(r) -> int:
     return -1 if r is None else int(r)
 
 
-def _flatten_seq(seq_lp, n_tokens: int, b: int, arg: str, base: int, out) -> None:
-    pos, ids, lps, ranks = out
+def _tensor(values, dtype, none):
+    """torch.tensor of a list, replacing None by ``none`` only when there is one (slow path)."""
+    try:
+        return torch.tensor(values, dtype=dtype)
+    except (TypeError, RuntimeError):
+        return torch.tensor([none if v is None else v for v in values], dtype=dtype)
+
+
+def _flat_seq(seq_lp, n_tokens: int, base: int):
+    """A ``FlatLogprobs`` -> entry tensors, without a Python loop over entries."""
+    starts = torch.tensor(list(seq_lp.start_indices), dtype=torch.int64)
+    counts = torch.tensor(list(seq_lp.end_indices), dtype=torch.int64) - starts  # (T,)
+    pos = base + torch.repeat_interleave(torch.arange(n_tokens), counts)
+    first = torch.cumsum(counts, 0) - counts
+    idx = torch.repeat_interleave(starts - first, counts) + torch.arange(int(counts.sum()))  # (E,)
+    ids = _tensor(seq_lp.token_ids, torch.int64, -1)[idx]
+    lps = _tensor(seq_lp.logprobs, torch.float64, float("nan"))[idx]
+    ranks = _tensor(seq_lp.ranks, torch.int64, -1)[idx]
+    return pos, ids, lps, ranks
+
+
+class _Entries:
+    """Entries of all sequences: Python lists for dict outputs, tensor chunks for flat ones."""
+
+    def __init__(self):
+        self.lists = ([], [], [], [])
+        self.chunks = []
+
+    def flush(self):
+        pos, ids, lps, ranks = self.lists
+        if pos:
+            lps = [float("nan") if v is None else v for v in lps]
+            self.chunks.append((torch.tensor(pos, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+                                torch.tensor(lps, dtype=torch.float64), torch.tensor(ranks, dtype=torch.int64)))
+            self.lists = ([], [], [], [])
+
+    def tensors(self):
+        self.flush()
+        if not self.chunks:
+            e = torch.zeros(0, dtype=torch.int64)
+            return e, e, torch.zeros(0, dtype=torch.float64), e
+        return tuple(torch.cat(c) for c in zip(*self.chunks))
+
+
+def _flatten_seq(seq_lp, n_tokens: int, b: int, arg: str, base: int, out: _Entries) -> None:
     if seq_lp is None:
         raise ValueError(f"{arg}: sequence {b} has no log-probs (was SamplingParams.logprobs set?)")
     if len(seq_lp) != n_tokens:
         raise ValueError(f"{arg}: sequence {b} has {len(seq_lp)} log-prob positions but {n_tokens} "
                          "completion token ids")
     if _is_flat(seq_lp):
-        for t, (s, e) in enumerate(zip(seq_lp.start_indices, seq_lp.end_indices)):
-            pos.extend([base + t] * (e - s))
-        s0 = seq_lp.start_indices[0] if n_tokens else 0
-        e0 = seq_lp.end_indices[-1] if n_tokens else 0
-        if list(seq_lp.start_indices[1:]) == list(seq_lp.end_indices[:-1]):
-            ids.extend(seq_lp.token_ids[s0:e0])
-            lps.extend(seq_lp.logprobs[s0:e0])
-            ranks.extend(_rank(r) for r in seq_lp.ranks[s0:e0])
-        else:  # non-contiguous ranges: copy them one by one
-            for s, e in zip(seq_lp.start_indices, seq_lp.end_indices):
-                ids.extend(seq_lp.token_ids[s:e])
-                lps.extend(seq_lp.logprobs[s:e])
-                ranks.extend(_rank(r) for r in seq_lp.ranks[s:e])
+        out.flush()
+        out.chunks.append(_flat_seq(seq_lp, n_tokens, base))
         return
+    pos, ids, lps, ranks = out.lists
     for t, d in enumerate(seq_lp):
         if not d:
             raise ValueError(f"{arg}: sequence {b}, token {t} has no log-prob entries")
@@ -233,7 +266,7 @@ def from_vllm_logprobs(
                              top_k=top_k, min_p=min_p, stacklevel=3)
     if len(logprobs) != len(token_ids):
         raise ValueError(f"logprobs: {len(logprobs)} sequences but token_ids has {len(token_ids)}")
-    out = ([], [], [], [])
+    out = _Entries()
     base = 0
     sampled = []
     for b, (seq_lp, seq_ids) in enumerate(zip(logprobs, token_ids)):
@@ -241,7 +274,7 @@ def from_vllm_logprobs(
         _flatten_seq(seq_lp, len(seq_ids), b, "logprobs", base, out)
         sampled.append(seq_ids)
         base += len(seq_ids)
-    pos, ids, lps, ranks = _to_tensors(out)
+    pos, ids, lps, ranks = out.tensors()
     return assemble(pos, ids, lps, ranks, sampled, k=k, arg="logprobs", pad_to=pad_to, pad_id=pad_id,
                     dtype=dtype, device=device)
 

@@ -84,6 +84,8 @@ class TopKRecorder(LogitsProcessor):
             z = w(input_ids, z)
         logq = torch.log_softmax(z, dim=-1)  # (B, V) log mu
         if self.k:
+            if self.k > logq.shape[-1]:
+                raise ValueError(f"k: {self.k} exceeds the vocabulary size {logq.shape[-1]}")
             v, i = logq.topk(self.k, dim=-1)
             self._topk_ids.append(i)
             self._topk_lp.append(v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig as _TRLGRPOConfig
@@ -110,5 +111,11 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
         for name, is_bad, why in bad:
             if is_bad:
                 raise ValueError(f"{name}: {why}")
+        if self.top_p < 1.0 or (self.top_k or 0) > 0 or self.min_p is not None:
+            warnings.warn(
+                "top_p / top_k / min_p truncation: mu (the truncated, renormalised sampling distribution) differs "
+                "from pi = softmax(logits / T) even with identical weights, so ratios and divergences include the "
+                "truncation gap and masks fire on-policy. RL recipes sample with top_p=1, top_k=0.",
+                UserWarning, stacklevel=3)
         # The mask's IS weight corrects for mu; TRL's own correction would need an extra forward.
         self.vllm_importance_sampling_correction = False

@@ -165,13 +165,21 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], comp], 1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         T = comp.shape[1]
+        # Positions count from each row's first real token, as generate() and vLLM count them.
+        # Without them the left padding shifts every position of a short prompt: RoPE is
+        # shift-invariant only up to float rounding (a measurable mismatch, up to 1e-2 in
+        # log-probs on the test model) and absolute position embeddings are simply wrong.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1, use_cache=False)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=T + 1, use_cache=False)
         return out.logits[:, -(T + 1):-1, :]  # position P-1+t predicts completion token t
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         a = self.args
+        if "pixel_values" in inputs:
+            raise ValueError("inputs: multimodal (pixel_values) batches are not supported by the pdmask trainer")
         comp = inputs["completion_ids"]
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
