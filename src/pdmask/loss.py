@@ -106,6 +106,11 @@ def token_loss(
     Returns ``(loss_t, keep_eff)``; masked tokens contribute exactly 0 with gradient 0.
     """
     adv = advantages.to(logp.dtype)
+    # A sampled token the trainer gives probability exactly 0 (a -inf logit): its value is
+    # floored so that 0 * inf cannot appear; its gradient is 0 (the logit cannot move).
+    floor = math.log(torch.finfo(logp.dtype).tiny)
+    logp = torch.where(torch.isneginf(logp), torch.full_like(logp, floor), logp)
+    log_ratio = torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio)
     if surrogate == "dppo":
         max_log_w = min(math.log(is_cap), _MAX_LOG_W) if math.isfinite(is_cap) else _MAX_LOG_W
         w = log_ratio.detach().clamp(max=max_log_w).exp()  # min(r, C), detached
