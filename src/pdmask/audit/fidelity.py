@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..directions import ESTIMATORS
-from ..stats import token_stats
+from ..stats import compute_dtype, token_stats
 from .rates import _stat
 
 
@@ -38,7 +38,7 @@ def fidelity_counts(
     "agg_vs_uniform": {k: [agree, n]}}}`` (Python numbers)."""
     V = logits.shape[-1]
     ks = effective_ks(ks, V)
-    logm = torch.log_softmax(rollout_logits.float() / temperature, -1)  # (B, T, V)
+    logm = torch.log_softmax(rollout_logits.to(compute_dtype(rollout_logits.dtype)) / temperature, -1)  # (B, T, V)
     tk_lp, tk_ids = logm.topk(max(ks), dim=-1)  # (B, T, Kmax), descending
     rlp = logm.gather(-1, sampled_ids[..., None].long()).squeeze(-1)
     full = token_stats(logits.detach(), sampled_ids, rlp, response_mask=response_mask,
