@@ -100,3 +100,29 @@ def test_run_and_report(setup, tmp_path):
     import numpy as np
     z = np.load(tmp_path / "audit_tokens.npz")
     assert z["D"].shape[0] == o["counts"]["n"] and set(z["seed"]) == {0, 1}
+
+
+def test_batch_step_optimizer_state_is_used_and_not_changed(setup):
+    import copy
+
+    from pdmask.audit.steps import batch_step
+    pol, eng = setup
+    rb, adv = sample_batch(eng, seed=2)
+    A = adv[:, None].expand(rb.response_mask.shape).float()
+    cfg = _cfg(optimizer="adam", lr=1e-2, grad_clip=0.0)
+    # an Adam state with history: second moments from 3 steps on other batches
+    work = copy.deepcopy(pol)
+    opt = torch.optim.Adam(work.parameters(), lr=1e-2)
+    for s in range(3):
+        rb2, a2 = sample_batch(eng, seed=10 + s)
+        loss = -(bigram_forward(work, rb2.sequences, None, rb2.prompt_len).log_softmax(-1).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = opt.state_dict()
+    frozen = copy.deepcopy(state)
+    _, _, fresh = batch_step(pol, bigram_forward, rb, A, cfg)
+    _, _, warm = batch_step(pol, bigram_forward, rb, A, cfg, optimizer_state=state)
+    assert not torch.allclose(fresh["topk_kl"], warm["topk_kl"])
+    assert torch.equal(state["state"][0]["exp_avg_sq"], frozen["state"][0]["exp_avg_sq"])
+    assert state["state"][0]["step"] == frozen["state"][0]["step"]

@@ -32,7 +32,9 @@ class AuditConfig:
             estimator is measured; this one is compared with the ratio in the summary).
         step_mode: mask mode of the batch step itself (``none``: every token updates, so
             every criterion is judged on the same update).
-        optimizer, lr, weight_decay, betas: the batch step's optimizer (fresh per seed).
+        optimizer, lr, weight_decay, betas: the batch step's optimizer (fresh per seed,
+            or loaded from a given optimizer state).
+        grad_clip: global gradient-norm clip of the batch step (0: off), as the trainer.
         is_cap, loss_agg, eps_low, eps_high: loss settings of the batch step.
         temperature: sampling temperature; ``pi = softmax(logits / T)``.
         isolated_tokens: uniform sample of out-of-region tokens per seed that get an
@@ -55,6 +57,7 @@ class AuditConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
+    grad_clip: float = 1.0
     is_cap: float = 5.0
     loss_agg: str = "token-mean"
     eps_low: float = 0.2
@@ -91,7 +94,7 @@ class AuditConfig:
                 _fail(name, f"must be a positive finite number, got {v!r}")
         if not isinstance(self.is_cap, (int, float)) or math.isnan(self.is_cap) or self.is_cap <= 0:
             _fail("is_cap", f"must be a positive number (inf disables the cap), got {self.is_cap!r}")
-        for name in ("weight_decay", "tie_tol"):
+        for name in ("weight_decay", "tie_tol", "grad_clip"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 _fail(name, f"must be a non-negative finite number, got {v!r}")

@@ -61,10 +61,11 @@ def _sample(mask_flat: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tens
 
 
 def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor, cfg: AuditConfig,
-                *, seed: int = 0, info: dict | None = None) -> SeedResult:
+                *, seed: int = 0, info: dict | None = None, optimizer_state: dict | None = None) -> SeedResult:
     """Audit one rollout batch (``rb``: a :class:`pdmask.engine.base.RolloutBatch` with ``logits``).
 
-    ``advantages``: (B,) or (B, T), as the trainer computes them.
+    ``advantages``: (B,) or (B, T), as the trainer computes them. ``optimizer_state``:
+    start the batch step's optimizer from this state (see :func:`.steps.batch_step`).
     """
     if rb.logits is None:
         raise ValueError("rb: the rollout batch has no engine logits; generate with return_logits=True "
@@ -75,7 +76,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     T, div = cfg.temperature, cfg.divergence
     primary = predictive_name(cfg.estimator)
 
-    logits0, out, after = batch_step(model, forward, rb, A, cfg)
+    logits0, out, after = batch_step(model, forward, rb, A, cfg, optimizer_state=optimizer_state)
     st = {k: v.detach() for k, v in out.stats.items()}
     D0 = st[div]
     dD = after[div] - D0  # (B, T)
@@ -154,8 +155,8 @@ SampleFn = Callable[[int], tuple]  # seed -> (rollout batch, advantages (B,) or 
 
 
 def run_audit(model: torch.nn.Module, forward: Forward, sample: SampleFn, seeds: Iterable[int],
-              cfg: AuditConfig, *, progress: bool = True, on_seed: Callable[[SeedResult], None] | None = None
-              ) -> list[SeedResult]:
+              cfg: AuditConfig, *, progress: bool = True, on_seed: Callable[[SeedResult], None] | None = None,
+              optimizer_state: dict | None = None, console=None) -> list[SeedResult]:
     """Audit every seed (``sample(seed)`` draws the rollout batch), with a rich progress bar."""
     seeds = list(seeds)
     results: list[SeedResult] = []
@@ -164,10 +165,10 @@ def run_audit(model: torch.nn.Module, forward: Forward, sample: SampleFn, seeds:
         from rich.progress import TimeRemainingColumn
         cols = (TextColumn("[bold]audit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
-        with Progress(*cols, transient=False) as bar:
+        with Progress(*cols, transient=False, console=console) as bar:
             task = bar.add_task("audit", total=len(seeds), note="")
             for s in seeds:
-                r = _one(model, forward, sample, s, cfg)
+                r = _one(model, forward, sample, s, cfg, optimizer_state)
                 results.append(r)
                 if on_seed:
                     on_seed(r)
@@ -175,16 +176,16 @@ def run_audit(model: torch.nn.Module, forward: Forward, sample: SampleFn, seeds:
                                                  f"dis={r.info['n_disagreement'].get(predictive_name(cfg.estimator))}")
     else:
         for s in seeds:
-            r = _one(model, forward, sample, s, cfg)
+            r = _one(model, forward, sample, s, cfg, optimizer_state)
             results.append(r)
             if on_seed:
                 on_seed(r)
     return results
 
 
-def _one(model, forward, sample, s, cfg):
+def _one(model, forward, sample, s, cfg, optimizer_state):
     rb, adv, info = sample(s)
-    return audit_batch(model, forward, rb, adv, cfg, seed=s, info=info)
+    return audit_batch(model, forward, rb, adv, cfg, seed=s, info=info, optimizer_state=optimizer_state)
 
 
 def summarize_entropy(results: list[SeedResult], *, n_boot: int, seed: int) -> dict:

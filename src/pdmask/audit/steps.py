@@ -59,8 +59,13 @@ def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: fl
 
 
 def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
-               cfg: AuditConfig) -> tuple[torch.Tensor, PolicyLossOutput, dict]:
+               cfg: AuditConfig, *, optimizer_state: dict | None = None) -> tuple[torch.Tensor, PolicyLossOutput, dict]:
     """One optimizer step of ``policy_loss(mode=cfg.step_mode)`` on the whole batch.
+
+    The optimizer is fresh (as at the first step of training) unless ``optimizer_state``
+    (an ``optimizer.state_dict()`` of the same optimizer class over the same trainable
+    parameters, e.g. from a training checkpoint) is given; it is copied, never changed.
+    Gradients are clipped to ``cfg.grad_clip`` (global norm; 0: off) as the trainer does.
 
     Returns ``(logits_before (B, T, V) detached, loss output before the step (its
     ``stats`` are the per-token statistics at theta), statistics after the step)``.
@@ -69,6 +74,8 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
     params = trainable(model)
     saved = [p.detach().clone() for p in params]
     opt = make_optimizer(params, cfg)
+    if optimizer_state is not None:
+        opt.load_state_dict(copy.deepcopy(optimizer_state))
     try:
         logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
         out = policy_loss(
@@ -79,6 +86,8 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
         )
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         with torch.no_grad():
             after = rollout_stats(forward(model, rb.sequences, rb.attention_mask, rb.prompt_len), rb,
