@@ -126,3 +126,14 @@ def test_batch_step_optimizer_state_is_used_and_not_changed(setup):
     assert not torch.allclose(fresh["topk_kl"], warm["topk_kl"])
     assert torch.equal(state["state"][0]["exp_avg_sq"], frozen["state"][0]["exp_avg_sq"])
     assert state["state"][0]["step"] == frozen["state"][0]["step"]
+
+
+def test_batch_without_out_of_region_tokens(setup):
+    pol, eng = setup
+    rb, adv = sample_batch(eng, seed=0)
+    r = audit_batch(pol, bigram_forward, rb, adv, _cfg(delta_low=50.0, delta_high=50.0), seed=0)
+    assert r.info["n_out_of_region"] == 0
+    assert r.counts["batch"]["out_of_region"]["ratio"]["n"] == 0
+    assert r.counts["logit"]["out_of_region"]["pred-exact"]["n"] == 0
+    S = summarize_all([r], _cfg())
+    assert S["rates"]["batch"]["out_of_region"]["criteria"]["ratio"]["unsafe_keep"]["mean"] is None

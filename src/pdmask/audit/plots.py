@@ -60,16 +60,20 @@ def plot_rates(path: Path, doc: dict) -> None:
 def plot_fidelity(path: Path, doc: dict) -> None:
     plt = _plt()
     F = doc["summary"]["fidelity"]
-    name = "out_of_region" if "out_of_region" in F else "response"
+    has_o = "out_of_region" in F and any(st["pooled"] is not None for st in F["out_of_region"]["kl_share"].values())
+    name = "out_of_region" if has_o else "response"
     e = F[name]
     ks = sorted(e["sign_agreement"], key=int)
     kx = [int(k) for k in ks]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for est in ESTIMATORS:
-        ys = [e["sign_agreement"][k][est]["mean"] for k in ks]
-        lo = [y - e["sign_agreement"][k][est]["ci95"][0] if y is not None else 0 for y, k in zip(ys, ks)]
-        hi = [e["sign_agreement"][k][est]["ci95"][1] - y if y is not None else 0 for y, k in zip(ys, ks)]
-        a1.errorbar(kx, ys, yerr=[lo, hi], marker="o", capsize=2, label=est)
+        pts = [(x, e["sign_agreement"][k][est]) for x, k in zip(kx, ks) if e["sign_agreement"][k][est]["mean"] is not None]
+        if not pts:
+            continue
+        ys = [st["mean"] for _, st in pts]
+        lo = [st["mean"] - st["ci95"][0] for _, st in pts]
+        hi = [st["ci95"][1] - st["mean"] for _, st in pts]
+        a1.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker="o", capsize=2, label=est)
     a1.set_xscale("log")
     a1.set_xlabel("K")
     a1.set_ylabel("sign agreement with full-vocabulary Ddot")
@@ -77,7 +81,8 @@ def plot_fidelity(path: Path, doc: dict) -> None:
     a1.legend()
     a1.grid(alpha=0.3)
     for div in ("kl", "tv"):
-        a2.plot(kx, [e[f"{div}_share"][k]["pooled"] for k in ks], marker="o", label=f"top-K {div.upper()} / full")
+        pts = [(x, e[f"{div}_share"][k]["pooled"]) for x, k in zip(kx, ks) if e[f"{div}_share"][k]["pooled"] is not None]
+        a2.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"top-K {div.upper()} / full")
     a2.axhline(0.99, color="k", ls=":", label="paper: top-20 > 99% of KL")
     a2.set_xscale("log")
     a2.set_xlabel("K")

@@ -27,6 +27,9 @@ PAPER = {
     "paper_estimators": "aggregated and uniform nearly identical",
 }
 
+#: run settings kept out of the markdown settings table (they are in audit.json)
+_LONG_RUN_KEYS = ("command", "trainer_config", "sft", "lag_steps")
+
 DEFINITIONS = """\
 - **O (out-of-region set)**: response tokens with `A != 0` and `D > delta` (`delta_high` if A > 0, `delta_low` if A < 0), D the proximity divergence at theta.
 - **realized change** `dD = D(mu, pi_theta') - D(mu, pi_theta)`: the same divergence, the same rollout view of mu, after the step theta -> theta'. *Increase* iff `dD > tie_tol`, *decrease* iff `dD < -tie_tol`, otherwise a tie.
@@ -107,7 +110,8 @@ def markdown(doc: dict) -> str:
           f"loss_agg {cfg['loss_agg']}, is_cap {cfg['is_cap']}; headline predictive criterion `{headline}`. "
           f"All settings are in `audit.json`.", ""]
     if run:
-        L += ["| setting | value |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in run.items() if k != "command"]
+        L += ["| setting | value |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in run.items()
+                                                    if k not in _LONG_RUN_KEYS]
         L += [""]
     L += ["## Definitions (ours)", "", DEFINITIONS, ""]
 

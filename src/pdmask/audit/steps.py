@@ -75,7 +75,11 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
     saved = [p.detach().clone() for p in params]
     opt = make_optimizer(params, cfg)
     if optimizer_state is not None:
+        if cfg.optimizer == "sgd":
+            raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
         opt.load_state_dict(copy.deepcopy(optimizer_state))
+        for g in opt.param_groups:  # the state's moments, this audit's hyperparameters
+            g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     try:
         logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
         out = policy_loss(
@@ -161,6 +165,8 @@ def logit_step_changes(logits: torch.Tensor, sampled_ids: torch.Tensor, rollout_
     ``dD = eta sign(A) Ddot / |e_k - pi|``, so its sign is the predictive direction.
     """
     f64 = torch.float64
+    if logits.shape[0] == 0:  # no token to step (token_stats needs at least one row)
+        return torch.zeros(0, dtype=f64)
     z = logits.to(f64) / temperature  # (N, V)
     pi = torch.softmax(z, -1)
     u = -pi
