@@ -1,0 +1,61 @@
+"""Engine factory: ``make_engine(cfg.engine, ...)`` picks a backend by name.
+
+A backend registers one factory ``factory(model, *, tokenizer, eos_id, pad_id,
+precision, temperature, top_k_logprobs, **options) -> RolloutEngine``. ``model`` is
+the trainer's ``transformers`` causal LM (the backend copies or exports it; it must not
+share storage with it). Adding the vLLM backend is one call::
+
+    from pdmask.engine.registry import register_engine
+    register_engine("vllm", make_vllm_engine)
+
+Backends named in :data:`LAZY` are imported on first use, so heavy dependencies are
+only needed when that backend is selected.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from .base import RolloutEngine
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+#: backend name -> module that calls ``register_engine`` for it when imported.
+LAZY: dict[str, str] = {"vllm": "pdmask.engine.vllm"}
+
+
+def register_engine(name: str, factory: Callable[..., RolloutEngine], *, overwrite: bool = False) -> None:
+    if name in ENGINES and not overwrite:
+        raise ValueError(f"engine: {name!r} is already registered (pass overwrite=True to replace it)")
+    ENGINES[name] = factory
+
+
+def engine_names() -> list[str]:
+    return sorted(set(ENGINES) | set(LAZY))
+
+
+def make_engine(name: str, model, *, tokenizer=None, eos_id: int, pad_id: int, precision: str = "fp32",
+                temperature: float = 1.0, top_k_logprobs: int = 20, **options) -> RolloutEngine:
+    """Build the rollout engine ``name`` (``hf``; ``vllm`` when its backend is installed)."""
+    if name not in ENGINES and name in LAZY:
+        try:
+            importlib.import_module(LAZY[name])
+        except ImportError as e:
+            raise ValueError(f"engine: backend {name!r} is not available ({e})") from e
+    if name not in ENGINES:
+        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    return ENGINES[name](model, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id, precision=precision,
+                         temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
+
+
+def _make_hf(model, *, tokenizer=None, eos_id, pad_id, precision, temperature, top_k_logprobs, **options):
+    from .hf import HFEngine
+
+    if options:
+        raise ValueError(f"engine_options: the hf engine takes none, got {sorted(options)}")
+    return HFEngine(model, eos_id=eos_id, pad_id=pad_id, precision=precision, temperature=temperature,
+                    top_k_logprobs=top_k_logprobs)
+
+
+register_engine("hf", _make_hf)

@@ -1,0 +1,269 @@
+"""The trainer's configuration: one dataclass, every field with a help text.
+
+``load_config(path, overrides)`` reads a YAML preset and applies ``key=value``
+overrides (values parsed as YAML: ``lr=3e-4``, ``full_logits=true``, ``delta_high=null``).
+Unknown keys raise ``ValueError`` naming the key and listing the valid names; values are
+type-checked against the field's type and :meth:`TrainConfig.validate` checks ranges and
+choices. ``pdmask train --help-config`` prints the table of fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    # ---------------------------------------------------------------- run
+    name: str = _f("", "run name; the run directory is out_dir/name (default: <mode>-s<seed>)")
+    out_dir: str = _f("runs", "parent directory of run directories")
+    seed: int = _f(0, "RL seed: rollout sampling and mini-batch order (the SFT base uses sft_seed)")
+    threads: int = _f(1, "torch CPU threads (1 is fastest for the tiny default model on a shared machine)")
+    device: str = _f("cpu", "torch device of the trainer and the hf engine (cpu, cuda, cuda:1, ...)")
+    # ---------------------------------------------------------------- model
+    model_path: str = _f("", "local Hugging Face causal-LM directory (with its tokenizer); empty: build from the fields below")
+    arch: str = _f("llama", "architecture of the built-in model: llama or qwen3")
+    vocab_size: int = _f(1024, "BPE vocabulary size of the built-in tokenizer (>= 1024 keeps top-20 truncation real)")
+    hidden_size: int = _f(128, "built-in model width")
+    num_layers: int = _f(4, "built-in model depth")
+    num_heads: int = _f(4, "attention heads (key/value heads equal)")
+    intermediate_size: int = _f(384, "MLP inner width")
+    max_positions: int = _f(160, "maximum sequence length (prompt + response)")
+    # ---------------------------------------------------------------- task
+    task: str = _f("arithmetic", "arithmetic (built-in, generated from task_seed) or jsonl (train_file/eval_file)")
+    task_seed: int = _f(1234, "seed of the generated problems and of the jsonl eval split")
+    train_size: int = _f(20000, "number of generated training problems")
+    eval_size: int = _f(200, "number of held-out problems (greedy accuracy is measured on them)")
+    max_number: int = _f(20, "arithmetic: operands are drawn from 1..max_number (values stay <= 2*max_number)")
+    min_steps: int = _f(2, "arithmetic: fewest operations per problem")
+    max_steps: int = _f(3, "arithmetic: most operations per problem")
+    train_file: str = _f("", "jsonl: training problems, one {prompt, answer[, solution]} per line")
+    eval_file: str = _f("", "jsonl: held-out problems (default: eval_size split off train_file)")
+    reward: str = _f("answer", "reward function: 'answer' (last 'answer: N' equals the answer) or module:function")
+    use_chat_template: bool = _f(False, "wrap prompts with the tokenizer's chat template (for instruct checkpoints)")
+    # ---------------------------------------------------------------- SFT warm start
+    sft_steps: int = _f(300, "SFT steps on generated solutions before RL (0: start RL from the model as is)")
+    sft_batch_size: int = _f(64, "SFT sequences per step")
+    sft_lr: float = _f(3e-3, "SFT peak learning rate (linear warmup 5%, cosine decay)")
+    sft_seed: int = _f(0, "seed of the SFT base (model init and data order); shared by all RL seeds")
+    cache_dir: str = _f("", "SFT checkpoint cache (default: $PDMASK_CACHE or ~/.cache/pdmask)")
+    # ---------------------------------------------------------------- RL
+    steps: int = _f(60, "RL steps (one rollout batch each)")
+    prompts_per_step: int = _f(16, "distinct prompts per rollout batch")
+    group_size: int = _f(8, "samples per prompt (GRPO group)")
+    minibatches: int = _f(4, "optimizer updates per rollout batch (>1 makes later updates off-policy)")
+    epochs: int = _f(1, "passes over the rollout batch")
+    lr: float = _f(2e-4, "AdamW learning rate of the RL stage (constant)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    grad_clip: float = _f(1.0, "max global grad norm (0: no clipping)")
+    adv_std_norm: bool = _f(True, "divide group advantages by the group std (GRPO); false: mean-centred only (Dr. GRPO)")
+    max_new_tokens: int = _f(28, "response length cap")
+    temperature: float = _f(1.0, "sampling temperature of the engine; the loss uses pi = softmax(logits / temperature)")
+    # ---------------------------------------------------------------- loss / mask
+    mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, ...)")
+    estimator: str = _f("exact", "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated")
+    delta_low: typing.Optional[float] = _f(None, "divergence threshold for A < 0 (null: the mode's default)")
+    delta_high: typing.Optional[float] = _f(None, "divergence threshold for A > 0 (null: the mode's default)")
+    eps_low: float = _f(0.2, "grpo ratio clip below 1")
+    eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
+    is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
+    loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
+    # ---------------------------------------------------------------- engine
+    engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
+    engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
+    top_k: int = _f(20, "K of the engine's reported top-K log-probs")
+    sync_every: int = _f(1, "copy trainer weights to the engine every N steps (N > 1: policy lag of up to N-1 steps)")
+    full_logits: bool = _f(False, "also fetch the engine's full logits (oracle mismatch metrics; needed by pdm-full-* modes)")
+    # ---------------------------------------------------------------- logging / checkpoints
+    eval_every: int = _f(10, "held-out greedy accuracy every N steps (and at step 0 and the end)")
+    checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = _f(1, "checkpoints kept on disk (older ones are deleted)")
+    tensorboard: bool = _f(True, "write TensorBoard event files next to metrics.jsonl")
+    progress: bool = _f(True, "show a progress bar")
+
+    # ------------------------------------------------------------------
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{self.mode}-s{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.run_name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        """Range and choice checks; raises ValueError naming the field."""
+        from .. import MODES
+        from ..directions import ESTIMATORS
+        from .._validate import LOSS_AGGS
+        from ..engine.precision import PRECISIONS
+        from ..engine.registry import engine_names
+
+        choices = {"arch": ("llama", "qwen3"), "task": ("arithmetic", "jsonl"), "mode": tuple(MODES),
+                   "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
+                   "engine": tuple(engine_names())}
+        for k, valid in choices.items():
+            if getattr(self, k) not in valid:
+                raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
+        positive = ["threads", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                    "max_positions", "train_size", "eval_size", "max_number", "min_steps", "max_steps",
+                    "sft_batch_size", "steps", "prompts_per_step", "group_size", "minibatches", "epochs",
+                    "max_new_tokens", "top_k", "sync_every", "eval_every", "keep_checkpoints"]
+        for k in positive:
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
+        for k in ("sft_steps", "checkpoint_every"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+        for k in ("lr", "sft_lr", "temperature", "eps_low", "eps_high", "is_cap"):
+            v = getattr(self, k)
+            if not (v > 0) or (math.isinf(v) and k != "is_cap"):
+                raise ValueError(f"{k}: must be a positive number, got {v}")
+        for k in ("weight_decay", "grad_clip"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+        for k in ("delta_low", "delta_high"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ValueError(f"{k}: must be a positive number or null, got {v}")
+        if self.max_steps < self.min_steps:
+            raise ValueError(f"max_steps: must be >= min_steps ({self.min_steps}), got {self.max_steps}")
+        n = self.prompts_per_step * self.group_size
+        if n % self.minibatches:
+            raise ValueError(f"minibatches: must divide prompts_per_step * group_size = {n}, got {self.minibatches}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads: must divide hidden_size = {self.hidden_size}, got {self.num_heads}")
+        if self.mode.startswith("pdm-full") and not self.full_logits:
+            raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
+        if self.task == "jsonl" and not self.train_file:
+            raise ValueError("train_file: required when task=jsonl")
+        return self
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def field_help() -> list[tuple[str, str, str, str]]:
+    """(name, type, default, help) of every field, for the CLI."""
+    hints = typing.get_type_hints(TrainConfig)
+    return [(f.name, _type_name(hints[f.name]), repr(f.default), f.metadata["help"]) for f in dataclasses.fields(TrainConfig)]
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return "|".join(a.__name__ if a is not type(None) else "null" for a in args)
+    return tp.__name__
+
+
+def _unknown(key: str, where: str) -> ValueError:
+    close = difflib.get_close_matches(key, FIELDS, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return ValueError(f"{key}: unknown config key in {where}{hint}; valid names are: {', '.join(FIELDS)}")
+
+
+def _coerce(key: str, value: Any) -> Any:
+    tp = typing.get_type_hints(TrainConfig)[key]
+    args = typing.get_args(tp)
+    if args:  # Optional[X]
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity"):
+        return math.inf
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp is str and value is None:
+        return ""
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ValueError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value parsed as YAML (``3e-4`` -> float, ``true`` -> bool)."""
+    import yaml
+
+    if "=" not in text:
+        raise ValueError(f"override: expected key=value, got {text!r}")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _yaml_number(value):
+    """PyYAML reads ``3e-4`` (no dot) as a string; accept it as a float."""
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value.lower() for c in "e.") else value
+        except ValueError:
+            return value
+    return value
+
+
+def make_config(values: dict[str, Any], where: str = "config") -> TrainConfig:
+    for k in values:
+        if k not in FIELDS:
+            raise _unknown(k, where)
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for k, v in values.items():
+        if float in (hints[k], *typing.get_args(hints[k])):
+            v = _yaml_number(v)
+        out[k] = _coerce(k, v)
+    return TrainConfig(**out).validate()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Read a YAML preset (``None``: defaults) and apply overrides; validated."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"config: file {str(path)!r} not found")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config: {path} must hold a mapping of key: value")
+        for k in data:
+            if k not in FIELDS:
+                raise _unknown(k, str(path))
+        values.update(data)
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = [parse_override(o) for o in (overrides or [])]
+    for k, v in items:
+        if k not in FIELDS:
+            raise _unknown(k, "overrides")
+        values[k] = v
+    return make_config(values, where=str(path) if path else "config")
+
+
+def replace(cfg: TrainConfig, **changes) -> TrainConfig:
+    """A validated copy with ``changes`` (unknown keys raise like overrides)."""
+    vals = cfg.to_dict()
+    for k, v in changes.items():
+        if k not in FIELDS:
+            raise _unknown(k, "overrides")
+        vals[k] = v
+    return make_config(vals)

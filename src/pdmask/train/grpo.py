@@ -1,0 +1,323 @@
+"""The RL loop, in one readable function (CleanRL style): :func:`train`.
+
+Per step::
+
+    sync      engine.load_weights(trainer)  if step % sync_every == 0   (else the engine lags)
+    rollout   prompts x group_size -> engine.generate -> tokens, log mu_k, top-K of mu
+    reward    rule-based reward of each decoded response
+    advantage GRPO: r - mean(group) [/ std(group)]
+    update    for each of `minibatches` slices (x epochs): one trainer forward ->
+              pdmask.policy_loss(mode=cfg.mode) -> backward -> clip -> AdamW step
+    log       JSONL + TensorBoard; held-out greedy accuracy every eval_every steps
+    save      resumable checkpoint every checkpoint_every steps
+
+How it departs from textbook GRPO (on purpose; this is what the masks are about):
+
+- The trust region is anchored to the **rollout engine's** policy mu (the log-probs the
+  engine reported while sampling), not to a recomputed "old" trainer policy: there is
+  no old-policy forward at all. The ratio ``r = pi_k / mu_k`` therefore contains the
+  training-inference mismatch (engine precision, policy lag) as well as the drift of
+  the earlier mini-batch updates of the same step.
+- The loss is whatever :func:`pdmask.policy_loss` computes for ``cfg.mode``: for the
+  divergence modes the DPPO-style ``-M sg(min(r, C)) A log pi_k``; for ``grpo`` the
+  PPO clipped surrogate with clip-higher and dual clip. Masks are chosen by name.
+- No KL-to-reference penalty, no entropy bonus; token-mean aggregation by default.
+- ``minibatches > 1`` makes every update after the first off-policy, which is the
+  setting where trust-region masks matter.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import policy_loss
+from ..engine.base import RolloutBatch
+from ..engine.hf import response_logits
+from ..engine.registry import make_engine
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .logging import RunLogger, read_jsonl, truncate_jsonl
+from .model import encode_prompts, load_model_and_tokenizer, num_params
+from .progress import make_progress
+from .rollout import decode_responses, greedy_accuracy, group_advantages, rewards_for
+from .sft import ensure_sft_checkpoint, sft_info
+from .tasks import build_task, get_reward
+
+#: keys whose values depend on wall-clock time (excluded from resume comparisons)
+TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s")
+
+
+# ------------------------------------------------------------------ building blocks
+def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response_lens: list[int]) -> RolloutBatch:
+    """Rows ``idx`` of a rollout batch with all-padding prompt/response columns trimmed.
+
+    ``prompt_lens`` / ``response_lens`` are the per-row real lengths as host ints (read
+    once per step, so slicing mini-batches never syncs)."""
+    P = batch.prompt_len
+    p0 = P - max(prompt_lens[i] for i in idx)  # first prompt column any selected row uses
+    T = max(1, max(response_lens[i] for i in idx))
+    ix = torch.as_tensor(idx, device=batch.sequences.device)
+    return RolloutBatch(
+        sequences=batch.sequences[ix, p0:P + T], attention_mask=batch.attention_mask[ix, p0:P + T],
+        prompt_len=P - p0, response_mask=batch.response_mask[ix, :T],
+        sampled_logprob=batch.sampled_logprob[ix, :T], topk_ids=batch.topk_ids[ix, :T],
+        topk_logprobs=batch.topk_logprobs[ix, :T],
+        logits=batch.logits[ix, :T] if batch.logits is not None else None)
+
+
+def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
+                 validate: bool = False):
+    """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
+
+    Args:
+        model: the trainer's causal LM.
+        batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
+        advantages: (B,) per-sequence advantages (broadcast over the response tokens).
+        cfg: reads mode, estimator, delta_low/high, eps_low/high, is_cap, loss_agg,
+            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present).
+        validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
+            the engine's outputs are known good).
+
+    Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached).
+    """
+    logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
+    return policy_loss(
+        logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs,
+        advantages.to(logits.device), batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
+        delta_low=cfg.delta_low, delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        is_cap=cfg.is_cap, loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=batch.logits,
+        validate=validate)
+
+
+def build_engine(cfg: TrainConfig, model, tokenizer):
+    """The rollout engine named by ``cfg.engine`` with a copy of ``model``'s weights."""
+    return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
+                       pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
+                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k)
+
+
+def step_prompts(step: int, cfg: TrainConfig, n_train: int) -> list[int]:
+    """Training-problem indices of ``step``: consecutive slices of a seeded permutation per epoch.
+
+    A pure function of (seed, step), so a resumed run draws exactly the same prompts."""
+    out = []
+    pos = step * cfg.prompts_per_step
+    while len(out) < cfg.prompts_per_step:
+        epoch, off = divmod(pos, n_train)
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        perm = torch.randperm(n_train, generator=g)
+        take = min(cfg.prompts_per_step - len(out), n_train - off)
+        out += perm[off:off + take].tolist()
+        pos += take
+    return out
+
+
+def rollout_seed(cfg: TrainConfig, step: int) -> int:
+    return (cfg.seed * 7_919 + step * 104_729 + 17) % (2**62)
+
+
+@dataclass
+class Setup:
+    """Everything :func:`train` builds before the loop (also handy for notebooks/the audit)."""
+
+    cfg: TrainConfig
+    model: torch.nn.Module
+    tokenizer: object
+    engine: object
+    optimizer: torch.optim.Optimizer
+    task: object
+    reward_fn: object
+    train_ids: list
+    eval_ids: list
+    base_path: object
+
+
+def setup(cfg: TrainConfig, console=None) -> Setup:
+    torch.set_num_threads(cfg.threads)
+    base = ensure_sft_checkpoint(cfg, console=console)
+    model, tok = load_model_and_tokenizer(base, cfg.device)
+    model.train()
+    task = build_task(cfg)
+    tr = encode_prompts(tok, [p.prompt for p in task.train], use_chat_template=cfg.use_chat_template)
+    ev = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    engine = build_engine(cfg, model, tok)
+    return Setup(cfg, model, tok, engine, opt, task, get_reward(cfg.reward), tr, ev, base)
+
+
+def _mean(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.float() for x in xs]).mean()
+
+
+# ------------------------------------------------------------------ the loop
+def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
+    """Run (or resume) RL training; returns the summary (also written to ``summary.json``)."""
+    import json
+
+    from rich.console import Console
+
+    console = console or Console()
+    cfg.validate()
+    run_dir = cfg.run_dir
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise ValueError(f"name: run directory {str(run_dir)!r} already has metrics; pass --resume or a new name")
+    S = setup(cfg, console)
+    model, tok, engine, opt = S.model, S.tokenizer, S.engine, S.optimizer
+    start = 0
+    if ckpt is not None:
+        start = load_checkpoint(ckpt, model=model, optimizer=opt, engine=engine)["step"]
+        truncate_jsonl(run_dir / "metrics.jsonl", start)
+        console.print(f"resuming {run_dir} from step {start}")
+    elif resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # killed before its first checkpoint
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(_yaml(cfg.to_dict()))
+    log = RunLogger(run_dir, tensorboard=cfg.tensorboard, purge_step=start + 1 if start else None)
+    answers = [p.answer for p in S.task.train]
+    ev_answers = [p.answer for p in S.task.eval]
+    n = cfg.prompts_per_step * cfg.group_size
+    mb = n // cfg.minibatches
+    base = sft_info(S.base_path)
+
+    def evaluate() -> tuple[float, float]:
+        return greedy_accuracy(model, tok, S.eval_ids, ev_answers, S.reward_fn, max_new_tokens=cfg.max_new_tokens)
+
+    if start == 0:
+        t = time.time()
+        acc, length = evaluate()
+        log.log({"step": 0, "eval_accuracy": acc, "eval_length": length, "time_eval_s": time.time() - t,
+                 "num_params": num_params(model), "sft_eval_accuracy": base.get("eval_greedy_accuracy")})
+    t_run = time.time()
+    with make_progress(cfg.progress, console) as prog:
+        bar = prog.add_task(f"RL {cfg.run_name}", total=cfg.steps, completed=start)
+        for step in range(start, cfg.steps):
+            t0 = time.time()
+            # --- sync: the engine gets the trainer's weights (cast to its precision)
+            if step % cfg.sync_every == 0 and step > 0:
+                engine.load_weights(model.state_dict())
+            # --- rollout: group_size samples of each prompt, consecutive
+            pidx = step_prompts(step, cfg, len(S.train_ids))
+            prompts = [S.train_ids[i] for i in pidx for _ in range(cfg.group_size)]
+            batch = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, seed=rollout_seed(cfg, step),
+                                    return_logits=cfg.full_logits)
+            texts = decode_responses(tok, batch)
+            rewards = rewards_for(texts, [answers[i] for i in pidx for _ in range(cfg.group_size)], S.reward_fn)  # (n,)
+            adv = group_advantages(rewards, cfg.group_size, std_norm=cfg.adv_std_norm)  # (n,)
+            t1 = time.time()
+            # --- updates: `minibatches` slices of a seeded shuffle, `epochs` passes
+            g = torch.Generator().manual_seed(rollout_seed(cfg, step) + 1)
+            plens = batch.attention_mask[:, :batch.prompt_len].sum(1).tolist()
+            rlens = batch.response_mask.sum(1).tolist()
+            mets: dict[str, list[torch.Tensor]] = {}
+            grad_norms, first = [], None
+            for _ in range(cfg.epochs):
+                perm = torch.randperm(n, generator=g).tolist()
+                for j in range(cfg.minibatches):
+                    idx = perm[j * mb:(j + 1) * mb]
+                    sub = select(batch, idx, plens, rlens)
+                    out = compute_loss(model, sub, adv[idx], cfg)
+                    opt.zero_grad(set_to_none=True)
+                    out.loss.backward()
+                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+                    opt.step()
+                    grad_norms.append(gn.detach())
+                    for k, v in out.metrics.items():
+                        mets.setdefault(k, []).append(v)
+                    if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
+                        first = _mismatch(out.stats, sub.response_mask)
+            t2 = time.time()
+            # --- metrics: one host sync for the whole step
+            names = ["reward", "train_accuracy", "response_length", "zero_adv_frac", "grad_norm"]
+            vals = [rewards.mean(), (rewards > 0.5).float().mean(), batch.response_mask.sum(1).float().mean(),
+                    (adv == 0).float().mean(), _mean(grad_norms)]
+            for k, v in first.items():
+                names.append(k)
+                vals.append(v)
+            for k, v in mets.items():
+                names.append(k)
+                vals.append(torch.stack([x.float() for x in v]).sum() if k.startswith("num_") else _mean(v))
+            rec = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))
+            ntok = sum(rlens)
+            rec.update({"step": step + 1, "engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0,
+                        "time_update_s": t2 - t1, "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                te = time.time()
+                rec["eval_accuracy"], rec["eval_length"] = evaluate()
+                rec["time_eval_s"] = time.time() - te
+            rec["time_step_s"] = time.time() - t0
+            rec["tokens_per_s"] = ntok / max(t2 - t0, 1e-9)
+            rec["wall_s"] = time.time() - t_run
+            log.log({"step": rec.pop("step"), **rec})
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                save_checkpoint(run_dir, step=step + 1, model=model, optimizer=opt, engine=engine,
+                                extra={"data_pos": (step + 1) * cfg.prompts_per_step}, keep=cfg.keep_checkpoints)
+            prog.update(bar, advance=1, description=f"RL {cfg.run_name} reward {rec['reward']:.2f}"
+                        + (f" eval {rec['eval_accuracy']:.2f}" if "eval_accuracy" in rec else ""))
+    log.close()
+    summary = summarize(read_jsonl(run_dir / "metrics.jsonl"), cfg, base)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _mismatch(stats: dict, rmask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Engine-vs-trainer mismatch on the first mini-batch (before this step's updates)."""
+    m = rmask.bool()
+    den = m.sum().clamp(min=1)
+
+    def mean(x):
+        return torch.where(m, x.detach().float(), torch.zeros_like(x, dtype=torch.float32)).sum() / den
+
+    out = {"mismatch_topk_kl": mean(stats["topk_kl"]), "mismatch_abs_log_ratio": mean(stats["log_ratio"].abs())}
+    if "full_kl" in stats:
+        out["mismatch_full_kl"] = mean(stats["full_kl"])
+    return out
+
+
+def summarize(records: list[dict], cfg: TrainConfig, base: dict | None = None) -> dict:
+    """Headline numbers of a run from its metrics records."""
+    steps = [r for r in records if r["step"] > 0]
+    evals = [r for r in records if r.get("eval_accuracy") is not None]
+
+    def med(k):
+        xs = [r[k] for r in steps if r.get(k) is not None]
+        return statistics.median(xs) if xs else None
+
+    def mean_last(k, n=10):
+        xs = [r[k] for r in steps[-n:] if r.get(k) is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    def mean_all(k):
+        xs = [r[k] for r in steps if r.get(k) is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    return {
+        "run": cfg.run_name, "mode": cfg.mode, "seed": cfg.seed, "delta_low": cfg.delta_low,
+        "delta_high": cfg.delta_high, "engine_precision": cfg.engine_precision, "sync_every": cfg.sync_every,
+        "steps": steps[-1]["step"] if steps else 0,
+        "sft_eval_accuracy": (base or {}).get("eval_greedy_accuracy"),
+        "eval_accuracy_start": evals[0]["eval_accuracy"] if evals else None,
+        "eval_accuracy_final": evals[-1]["eval_accuracy"] if evals else None,
+        "eval_accuracy_best": max(r["eval_accuracy"] for r in evals) if evals else None,
+        "reward_last10": mean_last("reward"),
+        "mismatch_topk_kl_mean": mean_all("mismatch_topk_kl"),
+        "masked_frac_mean": mean_all("masked_frac"),
+        "out_of_region_frac_mean": mean_all("out_of_region_frac"),
+        "disagreement_frac_mean": mean_all("disagreement_frac"),
+        "entropy_last10": mean_last("entropy_mean"),
+        "time_step_s_median": med("time_step_s"),
+        "time_update_s_median": med("time_update_s"),
+        "update_s_per_1k_tokens_median": med("update_s_per_1k_tokens"),
+        "wall_s": steps[-1].get("wall_s") if steps else None,
+    }
+
+
+def _yaml(d: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(d, sort_keys=False)

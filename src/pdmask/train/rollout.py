@@ -1,0 +1,67 @@
+"""Turning engine output into rewards, and held-out greedy evaluation.
+
+- :func:`decode_responses` — response strings of a :class:`RolloutBatch` (EOS dropped).
+- :func:`rewards_for` — (B,) float32 rewards from a reward function.
+- :func:`group_advantages` — GRPO advantages per sequence.
+- :func:`greedy_accuracy` — held-out accuracy of a model with greedy decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.base import RolloutBatch
+from ..engine.hf import sample
+
+
+def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
+    ids = batch.response_ids
+    out = []
+    for row, m in zip(ids.tolist(), batch.response_mask.tolist()):
+        toks = [t for t, keep in zip(row, m) if keep and t != tokenizer.eos_token_id]
+        out.append(tokenizer.decode(toks, skip_special_tokens=True))
+    return out
+
+
+def rewards_for(texts: list[str], answers: list[str], reward_fn) -> torch.Tensor:
+    """(B,) float32 rewards; a reward function returning NaN is an error, not a silent 0."""
+    r = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)], dtype=torch.float32)
+    if torch.isnan(r).any():
+        raise ValueError("reward: the reward function returned NaN")
+    return r
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages (B,) of rewards (B,) laid out as consecutive groups of ``group_size``.
+
+    ``A_i = r_i - mean(group)`` and, with ``std_norm``, divided by ``std(group) + eps``
+    (population std, as verl's GRPO; a group with equal rewards gets A = 0).
+    Naive: ``for g in groups: A[g] = (r[g] - r[g].mean()) / (r[g].std(unbiased=False) + eps)``.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards: expected shape (B,) with B divisible by group_size={group_size}, "
+                         f"got {tuple(rewards.shape)}")
+    g = rewards.reshape(-1, group_size)  # (G, n)
+    a = g - g.mean(-1, keepdim=True)
+    if std_norm:
+        a = a / (g.std(-1, unbiased=False, keepdim=True) + eps)
+    return a.reshape(-1)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], reward_fn, *,
+                    max_new_tokens: int, batch_size: int = 256) -> tuple[float, float]:
+    """(mean reward, mean response length) of greedy decoding on held-out prompts."""
+    was_training = model.training
+    model.eval()
+    total, length = 0.0, 0.0
+    for s in range(0, len(prompt_ids), batch_size):
+        b = sample(model, prompt_ids[s:s + batch_size], max_new_tokens=max_new_tokens,
+                   eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True, top_k_logprobs=1)
+        r = rewards_for(decode_responses(tokenizer, b), answers[s:s + batch_size], reward_fn)
+        total += float(r.sum())
+        length += float(b.response_mask.sum())
+    model.train(was_training)
+    n = max(len(prompt_ids), 1)
+    return total / n, length / n

@@ -1,0 +1,204 @@
+"""Verifiable tasks and rule-based rewards.
+
+Built-in task ``arithmetic``: short multi-step word problems generated from a seed::
+
+    Q: Kobira has 7 shells. They find 5 more. Then they give away 3. How many shells now?
+    A: 7 + 5 = 12. 12 - 3 = 9. answer: 9<eos>
+
+The prompt is everything up to and including ``A:``; the SFT target is the worked
+solution; the reward only reads the final ``answer: N``. The held-out split is disjoint
+from the training split by *arithmetic signature* (start value and operation list), so
+eval problems are new calculations, not new wordings of training ones. Names are
+made of random syllables so that a tokenizer trained on the corpus has plenty to learn
+(vocabularies of 1024+ entries are real, and the top-20 of the sampling distribution
+does not cover it).
+
+User task ``jsonl``: files of ``{"prompt": ..., "answer": ...}`` lines (optional
+``"solution"`` for the SFT warm start), with any reward function by name or
+``module:function`` (signature ``reward(response_text, answer) -> float``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # fed to the model as is
+    answer: str  # compared by the reward
+    solution: str | None = None  # SFT target (the response), if known
+
+
+@dataclass
+class Task:
+    name: str
+    train: list[Problem]
+    eval: list[Problem]
+
+
+# ------------------------------------------------------------------ rewards
+_ANSWER = re.compile(r"answer:\s*(-?\d+(?:\.\d+)?)")
+
+
+def extract_answer(text: str) -> str | None:
+    """The number after the last ``answer:`` in ``text``, or None."""
+    found = _ANSWER.findall(text)
+    return found[-1] if found else None
+
+
+def answer_reward(response: str, answer: str) -> float:
+    """1.0 iff the last ``answer: N`` in the response equals ``answer`` numerically."""
+    got = extract_answer(response)
+    if got is None:
+        return 0.0
+    try:
+        return 1.0 if float(got) == float(answer) else 0.0
+    except ValueError:
+        return 1.0 if got.strip() == str(answer).strip() else 0.0
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {"answer": answer_reward}
+
+
+def get_reward(spec: str) -> Callable[[str, str], float]:
+    """A reward by registry name (``answer``) or import path ``package.module:function``."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" in spec:
+        mod, _, fn = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward: cannot import {spec!r} ({e})") from e
+    raise ValueError(f"reward: unknown reward {spec!r}; valid values are: {', '.join(REWARDS)} "
+                     "or an import path 'module:function'")
+
+
+# ------------------------------------------------------------------ arithmetic
+_ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+           "ch", "sh", "th", "br", "tr", "kl", "st", "gr"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ee", "oo", "ia", "ou"]
+_CODAS = ["", "", "", "n", "r", "l", "s", "m", "x"]
+_OBJECTS = ["apples", "shells", "marbles", "coins", "stamps", "books", "pens", "cards", "stones",
+            "beads", "kites", "cups", "eggs", "plums", "nuts", "ribbons", "buttons", "candles",
+            "rocks", "leaves", "tickets", "boxes", "bottles", "feathers", "pebbles", "lemons",
+            "flowers", "spoons", "keys", "toys", "bells", "maps", "hats", "socks", "seeds", "rings"]
+_ADD = ["They find {x} more.", "They buy {x} more.", "A friend gives them {x} more.",
+        "They pick up {x} more.", "They win {x} more.", "They make {x} more."]
+_SUB = ["They give away {x}.", "They lose {x}.", "They sell {x}.", "They drop {x}.",
+        "They trade away {x}.", "They use {x}."]
+_THEN = ["", "Then ", "Later ", "Next "]
+
+
+def _name(rng: random.Random) -> str:
+    n = rng.choice((2, 2, 3))
+    s = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(n)) + rng.choice(_CODAS)
+    return s.capitalize()
+
+
+def _story(rng: random.Random, max_number: int, n_steps: int) -> tuple[tuple, list[str], str]:
+    """(signature, sentences, solution) of one problem; values stay in [0, 2 * max_number]."""
+    cap = 2 * max_number
+    a = rng.randint(1, max_number)
+    sig, sents, sol = [a], [], []
+    cur = a
+    for _ in range(n_steps):
+        can_add, can_sub = cur < cap, cur > 0
+        add = can_add and (not can_sub or rng.random() < 0.5)
+        x = rng.randint(1, min(max_number, cap - cur)) if add else rng.randint(1, min(max_number, cur))
+        new = cur + x if add else cur - x
+        tmpl = rng.choice(_ADD if add else _SUB).format(x=x)
+        then = rng.choice(_THEN) if sents else ""
+        sents.append(then + (tmpl[0].lower() + tmpl[1:] if then else tmpl))
+        sol.append(f"{cur} {'+' if add else '-'} {x} = {new}.")
+        sig.append(("+" if add else "-", x))
+        cur = new
+    return tuple(sig), sents, " " + " ".join(sol) + f" answer: {cur}"
+
+
+def make_arithmetic_problem(rng: random.Random, *, max_number: int, min_steps: int, max_steps: int):
+    """One (signature, Problem) from ``rng``."""
+    name, obj = _name(rng), rng.choice(_OBJECTS)
+    n_steps = rng.randint(min_steps, max_steps)
+    sig, sents, sol = _story(rng, max_number, n_steps)
+    text = f"{name} has {sig[0]} {obj}. " + " ".join(sents) + f" How many {obj} now?"
+    answer = sol.rsplit("answer: ", 1)[1]
+    return sig, Problem(prompt=f"Q: {text}\nA:", answer=answer, solution=sol)
+
+
+def arithmetic_task(*, seed: int, train_size: int, eval_size: int, max_number: int = 20,
+                    min_steps: int = 2, max_steps: int = 3) -> Task:
+    """Train / held-out splits, disjoint by arithmetic signature, generated from ``seed``."""
+    for name, v in (("train_size", train_size), ("eval_size", eval_size), ("max_number", max_number),
+                    ("min_steps", min_steps)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
+    if max_steps < min_steps:
+        raise ValueError(f"max_steps: must be >= min_steps ({min_steps}), got {max_steps}")
+    rng = random.Random(seed)
+    eval_set, eval_sigs = [], set()
+    while len(eval_set) < eval_size:
+        sig, p = make_arithmetic_problem(rng, max_number=max_number, min_steps=min_steps, max_steps=max_steps)
+        if sig not in eval_sigs:
+            eval_sigs.add(sig)
+            eval_set.append(p)
+    train, tries = [], 0
+    while len(train) < train_size:
+        tries += 1
+        if tries > 50 * train_size:
+            raise ValueError("train_size: too large for the signature space; raise max_number or max_steps")
+        sig, p = make_arithmetic_problem(rng, max_number=max_number, min_steps=min_steps, max_steps=max_steps)
+        if sig not in eval_sigs:
+            train.append(p)
+    return Task("arithmetic", train, eval_set)
+
+
+# ------------------------------------------------------------------ jsonl
+def read_jsonl(path: str | Path) -> list[Problem]:
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"train_file: {path}:{i} is not JSON ({e})") from e
+            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+                raise ValueError(f"train_file: {path}:{i} needs the keys 'prompt' and 'answer'")
+            out.append(Problem(str(row["prompt"]), str(row["answer"]), row.get("solution")))
+    if not out:
+        raise ValueError(f"train_file: {path} holds no problems")
+    return out
+
+
+def jsonl_task(train_file: str, eval_file: str | None, *, seed: int, eval_size: int) -> Task:
+    """User problems; without ``eval_file`` the last ``eval_size`` of a seeded shuffle are held out."""
+    train = read_jsonl(train_file)
+    if eval_file:
+        return Task("jsonl", train, read_jsonl(eval_file))
+    if len(train) <= eval_size:
+        raise ValueError(f"eval_size: {eval_size} leaves no training problems out of {len(train)}")
+    rng = random.Random(seed)
+    idx = list(range(len(train)))
+    rng.shuffle(idx)
+    return Task("jsonl", [train[i] for i in idx[:-eval_size]], [train[i] for i in idx[-eval_size:]])
+
+
+def build_task(cfg) -> Task:
+    """The task named by ``cfg.task`` with its splits (see :class:`pdmask.train.config.TrainConfig`)."""
+    if cfg.task == "arithmetic":
+        return arithmetic_task(seed=cfg.task_seed, train_size=cfg.train_size, eval_size=cfg.eval_size,
+                               max_number=cfg.max_number, min_steps=cfg.min_steps, max_steps=cfg.max_steps)
+    if cfg.task == "jsonl":
+        if not cfg.train_file:
+            raise ValueError("train_file: required when task=jsonl")
+        return jsonl_task(cfg.train_file, cfg.eval_file, seed=cfg.task_seed, eval_size=cfg.eval_size)
+    raise ValueError(f"task: unknown value {cfg.task!r}; valid values are: arithmetic, jsonl")
