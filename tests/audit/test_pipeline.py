@@ -128,12 +128,19 @@ def test_batch_step_optimizer_state_is_used_and_not_changed(setup):
     assert state["state"][0]["step"] == frozen["state"][0]["step"]
 
 
-def test_batch_without_out_of_region_tokens(setup):
+@pytest.mark.parametrize("case", ["delta-too-high", "all-advantages-zero"])
+def test_batch_without_out_of_region_tokens(setup, tmp_path, case):
     pol, eng = setup
     rb, adv = sample_batch(eng, seed=0)
-    r = audit_batch(pol, bigram_forward, rb, adv, _cfg(delta_low=50.0, delta_high=50.0), seed=0)
+    if case == "all-advantages-zero":  # every group had equal rewards
+        adv, cfg = torch.zeros_like(adv), _cfg()
+    else:
+        cfg = _cfg(delta_low=50.0, delta_high=50.0)
+    r = audit_batch(pol, bigram_forward, rb, adv, cfg, seed=0)
     assert r.info["n_out_of_region"] == 0
     assert r.counts["batch"]["out_of_region"]["ratio"]["n"] == 0
     assert r.counts["logit"]["out_of_region"]["pred-exact"]["n"] == 0
-    S = summarize_all([r], _cfg())
+    S = summarize_all([r], cfg)
     assert S["rates"]["batch"]["out_of_region"]["criteria"]["ratio"]["unsafe_keep"]["mean"] is None
+    write_report(tmp_path, [r], S, cfg)  # an empty audit still writes every file (with n/a)
+    assert "n/a" in (tmp_path / "audit.md").read_text() and (tmp_path / "fidelity.png").exists()

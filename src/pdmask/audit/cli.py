@@ -67,7 +67,7 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     from .config import AuditConfig
     from .report import write_report
     from .runner import run_audit, summarize_all
-    from .source import build_source
+    from .source import TRAINER_BETAS, build_source, is_run_dir
 
     if seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
@@ -76,13 +76,15 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
         if val is not None:
             over.append(f"{key}={val}")
     over.append(f"progress={'true' if progress else 'false'}")
+    if config is None and model and is_run_dir(model):
+        config = Path(model) / "config.yaml"  # the run's own model/task/engine/loss settings
     tcfg = load_config(config, over)
     fam_default = 0.05 if divergence.endswith("kl") else 0.15
     base = fam_default if delta is None else delta
     cfg = AuditConfig(
         divergence=divergence, delta_low=base if delta_low is None else delta_low,
         delta_high=base if delta_high is None else delta_high, estimator=estimator, step_mode=step_mode,
-        optimizer=optimizer, lr=tcfg.lr if lr is None else lr, weight_decay=tcfg.weight_decay,
+        optimizer=optimizer, lr=tcfg.lr if lr is None else lr, weight_decay=tcfg.weight_decay, betas=TRAINER_BETAS,
         grad_clip=tcfg.grad_clip, is_cap=tcfg.is_cap, loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low,
         eps_high=tcfg.eps_high, temperature=tcfg.temperature, isolated_tokens=isolated_tokens,
         isolated_disagreement=isolated_disagreement, isolated_step=isolated_step, logit_step=logit_step,
@@ -98,7 +100,8 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     summary = summarize_all(results, cfg)
     run = {"command": "pdmask " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
            "seeds": f"{seed_offset}..{seed_offset + seeds - 1}", **src.info,
-           "optimizer_state": "from the lag steps" if state is not None else "fresh",
+           "optimizer_state": src.info.get("optimizer_state", "from the lag steps" if lag else "fresh")
+           if state is not None else "fresh",
            "trainer_config": tcfg.to_dict(), "setup_s": round(t1 - t0, 1)}
     doc = write_report(out, results, summary, cfg, run_settings=run, plots=plots, runtime_s=round(time.time() - t0, 1))
     console.print(f"audit: wrote {Path(out) / 'audit.md'} ({seeds} seeds, {time.time() - t0:.0f} s)")

@@ -74,17 +74,21 @@ def plot_fidelity(path: Path, doc: dict) -> None:
         lo = [st["mean"] - st["ci95"][0] for _, st in pts]
         hi = [st["ci95"][1] - st["mean"] for _, st in pts]
         a1.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker="o", capsize=2, label=est)
-    a1.set_xscale("log")
+    if not a1.lines:
+        a1.text(0.5, 0.5, "no tokens in this set", ha="center", transform=a1.transAxes)
+    else:
+        a1.set_xscale("log")
+        a1.legend()
     a1.set_xlabel("K")
     a1.set_ylabel("sign agreement with full-vocabulary Ddot")
     a1.set_title(f"estimator fidelity ({name.replace('_', '-')} tokens)")
-    a1.legend()
     a1.grid(alpha=0.3)
     for div in ("kl", "tv"):
         pts = [(x, e[f"{div}_share"][k]["pooled"]) for x, k in zip(kx, ks) if e[f"{div}_share"][k]["pooled"] is not None]
         a2.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"top-K {div.upper()} / full")
     a2.axhline(0.99, color="k", ls=":", label="paper: top-20 > 99% of KL")
-    a2.set_xscale("log")
+    if any(len(line.get_xdata()) for line in a2.lines[:-1]):
+        a2.set_xscale("log")
     a2.set_xlabel("K")
     a2.set_ylabel("share captured (pooled)")
     a2.legend()
