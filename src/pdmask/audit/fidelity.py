@@ -6,6 +6,7 @@ for every top-K estimator we count the tokens where ``sign(Ddot_topK)`` equals
 ``sign(Ddot_full)`` of the same family. We also add up the top-K and full divergences,
 so the share of the full KL (and TV) that the top-K form captures is
 ``sum topk_kl / sum full_kl`` over the token set (both are >= 0; top-K is a lower bound).
+Everything here is computed in float64.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..directions import ESTIMATORS
-from ..stats import compute_dtype, token_stats
+from ..stats import token_stats
 from .rates import _stat
 
 
@@ -38,7 +39,11 @@ def fidelity_counts(
     "agg_vs_uniform": {k: [agree, n]}}}`` (Python numbers)."""
     V = logits.shape[-1]
     ks = effective_ks(ks, V)
-    logm = torch.log_softmax(rollout_logits.to(compute_dtype(rollout_logits.dtype)) / temperature, -1)  # (B, T, V)
+    # float64 throughout: away from O most tokens have pi ~ mu, where Ddot is ~1e-6 and
+    # a float32 reduction would decide its sign by rounding (costs a float64 copy of
+    # both (B, T, V) tensors; this is an analysis path)
+    logits, rollout_logits = logits.detach().double(), rollout_logits.double()
+    logm = torch.log_softmax(rollout_logits / temperature, -1)  # (B, T, V)
     tk_lp, tk_ids = logm.topk(max(ks), dim=-1)  # (B, T, Kmax), descending
     rlp = logm.gather(-1, sampled_ids[..., None].long()).squeeze(-1)
     full = token_stats(logits.detach(), sampled_ids, rlp, response_mask=response_mask,

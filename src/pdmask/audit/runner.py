@@ -26,7 +26,7 @@ from .config import AuditConfig
 from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, out_of_region, outward, predictive_name
 from .fidelity import fidelity_counts, summarize_fidelity
 from .rates import _stat, classify, classify_seed, disagreement_set, summarize
-from .steps import Forward, batch_step, isolated_param_changes, logit_step_changes
+from .steps import Forward, batch_step, isolated_param_changes, logit_step_changes, rollout_stats
 
 
 @dataclass
@@ -76,16 +76,20 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     T, div = cfg.temperature, cfg.divergence
     primary = predictive_name(cfg.estimator)
 
-    logits0, out, after = batch_step(model, forward, rb, A, cfg, optimizer_state=optimizer_state)
-    st = {k: v.detach() for k, v in out.stats.items()}
+    logits0, out, logits1 = batch_step(model, forward, rb, A, cfg, optimizer_state=optimizer_state)
+    # Every criterion and divergence of the audit in float64 (the step itself ran in the
+    # model's dtype): tokens with pi ~ mu have |Ddot| ~ 1e-9, whose sign a float32
+    # reduction would leave to rounding.
+    st = rollout_stats(logits0.double(), rb, temperature=T)
     D0 = st[div]
-    dD = after[div] - D0  # (B, T)
+    dD = rollout_stats(logits1.double(), rb, temperature=T)[div] - D0  # (B, T)
+    del logits1
     region = out_of_region(D0, A, valid, delta_low=cfg.delta_low, delta_high=cfg.delta_high)
     values = criterion_values(st, cfg.family)
     counts = {"batch": classify_seed(dD, A, values, region, tie_tol=cfg.tie_tol)}
 
     # entropy side-effect of each criterion's mask (first order, per unit logit step)
-    hdot = entropy_ddot(logits0, rb.response_ids, temperature=T)
+    hdot = entropy_ddot(logits0.double(), rb.response_ids, temperature=T)
     ah = A.double() * hdot.double()
     active = valid & (A != 0)
     ent = {}
@@ -101,13 +105,12 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     bt = region.nonzero()  # (n, 2)
     sel = (bt[:, 0], bt[:, 1])
     vals_o = {c: v[sel] for c, v in values.items()}
-    A_o = A[sel]
+    A_o = A[sel].double()
     dD_logit = logit_step_changes(
         logits0[sel], rb.response_ids[sel], rb.sampled_logprob[sel], rb.topk_ids[sel], rb.topk_logprobs[sel],
         rb.logits[sel], A_o, divergence=div, step=cfg.logit_step, temperature=T)
     ones = torch.ones_like(A_o, dtype=torch.bool)
-    counts["logit"] = classify_seed(dD_logit, A_o.double(), {c: v.double() for c, v in vals_o.items()}, ones,
-                                    tie_tol=0.0)
+    counts["logit"] = classify_seed(dD_logit, A_o, vals_o, ones, tie_tol=0.0)
 
     # parameter-space isolated step: uniform sample of O + sample of disagreement tokens
     gen = torch.Generator().manual_seed(int(seed))
@@ -119,8 +122,8 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     pos = {int(i): j for j, i in enumerate(chosen.tolist())}
     in_uni = torch.tensor([pos[int(i)] for i in uni.tolist()], dtype=torch.long)
     in_dis = torch.tensor([pos[int(i)] for i in dis.tolist()], dtype=torch.long)
-    A_c = A_o[chosen].double()
-    v_c = {c: v[chosen].double() for c, v in vals_o.items()}
+    A_c = A_o[chosen]
+    v_c = {c: v[chosen] for c, v in vals_o.items()}
     counts["isolated"] = classify_seed(
         dD_iso_c[in_uni], A_c[in_uni], {c: v[in_uni] for c, v in v_c.items()},
         torch.ones(in_uni.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)

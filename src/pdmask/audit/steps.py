@@ -59,7 +59,8 @@ def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: fl
 
 
 def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
-               cfg: AuditConfig, *, optimizer_state: dict | None = None) -> tuple[torch.Tensor, PolicyLossOutput, dict]:
+               cfg: AuditConfig, *, optimizer_state: dict | None = None
+               ) -> tuple[torch.Tensor, PolicyLossOutput, torch.Tensor]:
     """One optimizer step of ``policy_loss(mode=cfg.step_mode)`` on the whole batch.
 
     The optimizer is fresh (as at the first step of training) unless ``optimizer_state``
@@ -67,9 +68,8 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
     parameters, e.g. from a training checkpoint) is given; it is copied, never changed.
     Gradients are clipped to ``cfg.grad_clip`` (global norm; 0: off) as the trainer does.
 
-    Returns ``(logits_before (B, T, V) detached, loss output before the step (its
-    ``stats`` are the per-token statistics at theta), statistics after the step)``.
-    The weights are restored afterwards.
+    Returns ``(logits_before, loss output (at theta), logits_after)``, both logits
+    (B, T, V) detached in the model's dtype. The weights are restored afterwards.
     """
     params = trainable(model)
     saved = [p.detach().clone() for p in params]
@@ -94,14 +94,13 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         with torch.no_grad():
-            after = rollout_stats(forward(model, rb.sequences, rb.attention_mask, rb.prompt_len), rb,
-                                  temperature=cfg.temperature)
+            after = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
     finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
                 p.grad = None
-    return logits.detach(), out, {k: v.detach() for k, v in after.items()}
+    return logits.detach(), out, after.detach()
 
 
 def _is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
