@@ -13,15 +13,26 @@ from pdmask.engine.base import RolloutBatch
 
 
 class BigramLM(torch.nn.Module):
+    """Logits = head(tanh(emb[token])): an untied output embedding with a bias."""
+
     def __init__(self, vocab: int = 12, dim: int = 8, seed: int = 0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.emb = torch.nn.Parameter(torch.randn(vocab, dim, generator=g))
-        self.out = torch.nn.Parameter(torch.randn(dim, vocab, generator=g) * 1.5)
-        self.bias = torch.nn.Parameter(torch.randn(vocab, generator=g) * 0.5)
+        self.head = torch.nn.Linear(dim, vocab)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(vocab, dim, generator=g) * 1.5)
+            self.head.bias.copy_(torch.randn(vocab, generator=g) * 0.5)
+
+    @property
+    def bias(self):
+        return self.head.bias
+
+    def get_output_embeddings(self):
+        return self.head
 
     def forward(self, ids):  # (B, L) -> (B, L, V)
-        return torch.tanh(self.emb[ids]) @ self.out + self.bias
+        return self.head(torch.tanh(self.emb[ids]))
 
 
 def bigram_forward(model, sequences, attention_mask, prompt_len):

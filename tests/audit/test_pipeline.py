@@ -144,3 +144,23 @@ def test_batch_without_out_of_region_tokens(setup, tmp_path, case):
     assert S["rates"]["batch"]["out_of_region"]["criteria"]["ratio"]["unsafe_keep"]["mean"] is None
     write_report(tmp_path, [r], S, cfg)  # an empty audit still writes every file (with n/a)
     assert "n/a" in (tmp_path / "audit.md").read_text() and (tmp_path / "fidelity.png").exists()
+
+
+def test_head_only_isolated_step_follows_the_logit_direction(setup):
+    """With an untied output layer h -> W h + b, the gradient of -w A log pi_k in (W, b)
+    moves the logits by eta' sign(A) (|h|^2 + 1) (e_k - pi): exactly the direction the
+    predictive Ddot is the derivative along. So the head-only isolated step must agree
+    with the exact predictive sign on every token (a small step), unlike the ratio."""
+    pol, eng = setup
+    hits, n, ratio_hits = 0, 0, 0
+    for s in range(3):
+        rb, adv = sample_batch(eng, seed=s, B=12)
+        r = audit_batch(pol, bigram_forward, rb, adv,
+                        _cfg(isolated_tokens=40, isolated_disagreement=40, isolated_params=("all", "head")), seed=s)
+        c = r.counts["isolated_head"]["out_of_region"]
+        hits, n, ratio_hits = hits + c["pred-exact"]["sign_ok"], n + c["pred-exact"]["n"], ratio_hits + c["ratio"]["sign_ok"]
+        d = r.counts["isolated_head_disagreement"]["disagreement:pred-exact"]
+        assert d["pred-exact"]["sign_ok"] == d["pred-exact"]["n"]
+        assert d["ratio"]["sign_ok"] == 0  # on disagreement tokens the ratio is then always wrong
+        assert "dD_isolated_head" in r.tokens and "isolated" in r.counts
+    assert n > 50 and hits == n and ratio_hits < n

@@ -43,8 +43,10 @@ def audit_command(
     lr: Optional[float] = typer.Option(None, "--lr", help="batch-step learning rate (default: the trainer's lr)"),
     isolated_tokens: int = typer.Option(32, "--isolated-tokens", help="uniform sample of O per seed"),
     isolated_disagreement: int = typer.Option(32, "--isolated-disagreement", help="disagreement tokens per seed"),
-    isolated_step: float = typer.Option(1e-3, "--isolated-step", help="parameter-space step length"),
-    logit_step: float = typer.Option(1e-4, "--logit-step", help="logit-space step length"),
+    isolated_step: float = typer.Option(1e-5, "--isolated-step", help="parameter-space step length"),
+    isolated_params: str = typer.Option("all", "--isolated-params", help="parameters the isolated step moves: "
+                                        "all, head (output embedding), or all,head (both, one table each)"),
+    logit_step: float = typer.Option(1e-7, "--logit-step", help="logit-space step length"),
     tie_tol: float = typer.Option(0.0, "--tie-tol", help="|dD| <= tie_tol counts as no change"),
     bootstrap: int = typer.Option(10000, "--bootstrap", help="bootstrap resamples over seeds"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write the PNG plots"),
@@ -60,7 +62,8 @@ def audit_command(
 
 def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperature, top_k, lag, divergence,
             delta, delta_low, delta_high, estimator, step_mode, optimizer, lr, isolated_tokens,
-            isolated_disagreement, isolated_step, logit_step, tie_tol, bootstrap, plots, progress) -> dict:
+            isolated_disagreement, isolated_step, isolated_params, logit_step, tie_tol, bootstrap, plots,
+            progress) -> dict:
     from rich.console import Console
 
     from ..train.config import load_config
@@ -87,7 +90,8 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
         optimizer=optimizer, lr=tcfg.lr if lr is None else lr, weight_decay=tcfg.weight_decay, betas=TRAINER_BETAS,
         grad_clip=tcfg.grad_clip, is_cap=tcfg.is_cap, loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low,
         eps_high=tcfg.eps_high, temperature=tcfg.temperature, isolated_tokens=isolated_tokens,
-        isolated_disagreement=isolated_disagreement, isolated_step=isolated_step, logit_step=logit_step,
+        isolated_disagreement=isolated_disagreement, isolated_step=isolated_step,
+        isolated_params=tuple(x.strip() for x in isolated_params.split(",") if x.strip()), logit_step=logit_step,
         tie_tol=tie_tol, bootstrap=bootstrap,
     )
     console = Console(stderr=True)

@@ -13,6 +13,7 @@ from ..masks import MODES
 #: there is nothing to compare.
 DIVERGENCES = ("topk_kl", "topk_tv", "full_kl", "full_tv")
 OPTIMIZERS = ("adamw", "adam", "sgd")
+ISOLATED_PARAMS = ("all", "head")
 #: K values of the estimator-fidelity sweep (capped at the vocabulary size).
 FIDELITY_KS = (1, 2, 5, 10, 20, 50, 100)
 
@@ -40,9 +41,16 @@ class AuditConfig:
         isolated_tokens: uniform sample of out-of-region tokens per seed that get an
             isolated parameter-space step (0 disables).
         isolated_disagreement: additionally, up to this many disagreement tokens per seed.
-        isolated_step: parameter-space length of the isolated step (normalised gradient).
+        isolated_step: parameter-space length of the isolated step (normalised gradient);
+            small enough for the first-order regime (the realized dD / step is flat below
+            ~1e-4 on the built-in model) and far above float64 rounding.
+        isolated_params: which parameters the isolated step moves, one measurement each:
+            ``all`` (the whole network) and/or ``head`` (only the output embedding, whose
+            gradient moves the logits exactly along ``e_k - pi`` when it is not tied).
         isolated_dtype: dtype of the model copy used for the isolated steps.
-        logit_step: length of the logit-space isolated step along ``sign(A)(e_k - pi)``.
+        logit_step: length of the logit-space isolated step along ``sign(A)(e_k - pi)``
+            (tiny: second-order terms must stay below ``step * |Ddot|`` even for
+            ``|Ddot| ~ 1e-6``; float64 keeps the change far above rounding).
         tie_tol: ``|dD| <= tie_tol`` counts as no change (neither unsafe nor corrective).
         fidelity_ks: K values of the estimator-fidelity sweep.
         bootstrap: bootstrap resamples over seeds; bootstrap_seed seeds them.
@@ -65,9 +73,10 @@ class AuditConfig:
     temperature: float = 1.0
     isolated_tokens: int = 32
     isolated_disagreement: int = 32
-    isolated_step: float = 1e-3
+    isolated_step: float = 1e-5
+    isolated_params: tuple = ("all",)
     isolated_dtype: str = "float64"
-    logit_step: float = 1e-4
+    logit_step: float = 1e-7
     tie_tol: float = 0.0
     fidelity_ks: tuple = field(default_factory=lambda: FIDELITY_KS)
     bootstrap: int = 10000
@@ -85,6 +94,11 @@ class AuditConfig:
             _fail("optimizer", f"unknown value {self.optimizer!r}; valid values are: {', '.join(OPTIMIZERS)}")
         if self.loss_agg not in LOSS_AGGS:
             _fail("loss_agg", f"unknown value {self.loss_agg!r}; valid values are: {', '.join(LOSS_AGGS)}")
+        ip = (self.isolated_params,) if isinstance(self.isolated_params, str) else tuple(self.isolated_params)
+        if not ip or any(x not in ISOLATED_PARAMS for x in ip) or len(set(ip)) != len(ip):
+            _fail("isolated_params", f"must be a non-empty list of distinct values from {', '.join(ISOLATED_PARAMS)}, "
+                  f"got {self.isolated_params!r}")
+        self.isolated_params = ip
         if self.isolated_dtype not in ("float32", "float64"):
             _fail("isolated_dtype", f"must be 'float32' or 'float64', got {self.isolated_dtype!r}")
         for name in ("delta_low", "delta_high", "lr", "isolated_step", "logit_step", "temperature",
@@ -120,5 +134,6 @@ class AuditConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["betas"], d["fidelity_ks"] = list(self.betas), list(self.fidelity_ks)
+        d["isolated_params"] = list(self.isolated_params)
         d["is_cap"] = self.is_cap if math.isfinite(self.is_cap) else "inf"
         return d

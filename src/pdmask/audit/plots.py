@@ -25,8 +25,11 @@ def plot_rates(path: Path, doc: dict) -> None:
     plt = _plt()
     rates = doc["summary"]["rates"]
     headline = predictive_name(doc["settings"]["audit"]["estimator"])
-    kinds = [("batch", "batch step"), ("isolated", "isolated step (params)"), ("logit", "logit-space step")]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), sharey=True)
+    kinds = [(k, t) for k, t in (("batch", "batch step"), ("isolated", "isolated step (all params)"),
+                                 ("isolated_head", "isolated step (head only)"), ("logit", "logit-space step"))
+             if k in rates]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (kind, title) in zip(axes, kinds):
         crit = rates[kind]["out_of_region"]["criteria"]
         for j, (r, label) in enumerate(_RATES):
@@ -101,12 +104,14 @@ def plot_fidelity(path: Path, doc: dict) -> None:
 def plot_scatter(path: Path, doc: dict, results) -> None:
     plt = _plt()
     headline = predictive_name(doc["settings"]["audit"]["estimator"])
-    cat = {k: torch.cat([r.tokens[k] for r in results]) for k in ("A", "dD_batch", "dD_isolated", f"c:{headline}",
-                                                                  f"c:{RATIO}")}
+    panels = [(k, t) for k, t in (("dD_batch", "batch step"), ("dD_isolated", "isolated step (all params)"),
+                                  ("dD_isolated_head", "isolated step (head only)")) if k in results[0].tokens]
+    cat = {k: torch.cat([r.tokens[k] for r in results])
+           for k in ("A", f"c:{headline}", f"c:{RATIO}", *(k for k, _ in panels))}
     pred = cat["A"] * cat[f"c:{headline}"]
     agree = torch.sign(cat["A"] * cat[f"c:{RATIO}"]) == torch.sign(pred)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, key, title in ((axes[0], "dD_batch", "batch step"), (axes[1], "dD_isolated", "isolated step (params)")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
         y = cat[key]
         ok = torch.isfinite(y)
         for sel, col, lab in ((ok & agree, "tab:blue", "ratio agrees"), (ok & ~agree, "tab:red", "ratio disagrees")):

@@ -38,7 +38,7 @@ DEFINITIONS = """\
 - **sign accuracy** = share of the set where `sign(A c) = sign(dD)`; **mask precision** = |masked_c with dD > 0| / |masked_c|.
 - **disagreement set** of a predictive criterion p: tokens of O where the ratio and p differ on "outward".
 - **across seeds**: the mean of the per-seed rates over seeds with a non-zero denominator; 95% percentile bootstrap interval over seeds (seeded); *p - ratio* is the mean of the paired per-seed differences with its own interval; *pooled* = sum of numerators / sum of denominators.
-- **steps**: *batch* = one optimizer step of the configured loss on the whole batch (fresh optimizer, weights restored after each seed); *isolated* = for a seeded uniform sample of O (and, separately, of the disagreement set) a parameter step of fixed length along the gradient of that token's loss `-w A log pi_k` alone, weights restored after each token; *logit* = the step `z -> z + eta sign(A) (e_k - pi)/|e_k - pi|` on the position's logits alone (the literal first-order claim).
+- **steps**: *batch* = one optimizer step of the configured loss on the whole batch (fresh optimizer, weights restored after each seed); *isolated* = for a seeded uniform sample of O (and, separately, of the disagreement set) a parameter step of fixed length along the gradient of that token's loss `-w A log pi_k` alone (all parameters, or only the output embedding: *isolated_head*), weights restored after each token; *logit* = the step `z -> z + eta sign(A) (e_k - pi)/|e_k - pi|` on the position's logits alone (the literal first-order claim).
 - The paper's exact rate definitions were not available to us; the definitions above are ours.
 """
 
@@ -139,18 +139,23 @@ def markdown(doc: dict) -> str:
             L += [f"**{p}** (total {rates['batch'][key]['criteria'][RATIO]['counts']['n']} tokens)", ""]
             L += rate_table(rates["batch"][key], (RATIO, p), headline, paper=False)
             L += [""] + diff_table(rates["batch"][key], (p,)) + [""]
-    L += ["## Isolated step (parameter space), uniform sample of O", "",
-          f"Step length {cfg['isolated_step']} in parameter space, {cfg['isolated_dtype']}; up to "
-          f"{cfg['isolated_tokens']} tokens per seed.", ""]
-    L += rate_table(rates["isolated"]["out_of_region"], CRITERIA, headline, paper=False) + [""]
-    L += diff_table(rates["isolated"]["out_of_region"], PREDICTIVE) + [""]
     key = f"disagreement:{headline}"
-    iso_d = rates["isolated_disagreement"][key]
-    L += [f"## Isolated step on disagreement tokens ({headline} vs ratio)", "",
-          f"Up to {cfg['isolated_disagreement']} disagreement tokens per seed "
-          f"(total {iso_d['criteria'][RATIO]['counts']['n']}).", ""]
-    L += rate_table(iso_d, (RATIO, headline), headline, paper=False) + [""]
-    L += diff_table(iso_d, (headline,)) + [""]
+    for which in cfg.get("isolated_params", ["all"]):
+        kind = "isolated" if which == "all" else f"isolated_{which}"
+        if kind not in rates:
+            continue
+        what = "all parameters" if which == "all" else "the output embedding only"
+        L += [f"## Isolated step ({what}), uniform sample of O", "",
+              f"Step length {cfg['isolated_step']} in parameter space along the token's own loss gradient, "
+              f"{cfg['isolated_dtype']}; up to {cfg['isolated_tokens']} tokens per seed.", ""]
+        L += rate_table(rates[kind]["out_of_region"], CRITERIA, headline, paper=False) + [""]
+        L += diff_table(rates[kind]["out_of_region"], PREDICTIVE) + [""]
+        iso_d = rates[f"{kind}_disagreement"][key]
+        L += [f"## Isolated step ({what}) on disagreement tokens ({headline} vs ratio)", "",
+              f"Up to {cfg['isolated_disagreement']} disagreement tokens per seed "
+              f"(total {iso_d['criteria'][RATIO]['counts']['n']}).", ""]
+        L += rate_table(iso_d, (RATIO, headline), headline, paper=False) + [""]
+        L += diff_table(iso_d, (headline,)) + [""]
     L += ["## Logit-space step on every token of O (the literal first-order claim)", "",
           f"Step length {cfg['logit_step']} along `sign(A)(e_k - pi)`, float64. The exact-top-K (for a top-K "
           "divergence) or full (for a full divergence) predictive criterion is the exact derivative here, so its "
@@ -249,7 +254,7 @@ def write_report(outdir, results, summary: dict, cfg: AuditConfig, *, run_settin
 
 
 def _dump_tokens(path: Path, results) -> None:
-    """Per-token arrays of O over all seeds (``seed`` column added). ``dD_isolated`` is NaN
+    """Per-token arrays of O over all seeds (``seed`` column added). ``dD_isolated*`` is NaN
     for tokens that were not sampled for the isolated step."""
     import numpy as np
     if not results:

@@ -112,32 +112,36 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     ones = torch.ones_like(A_o, dtype=torch.bool)
     counts["logit"] = classify_seed(dD_logit, A_o, vals_o, ones, tie_tol=0.0)
 
-    # parameter-space isolated step: uniform sample of O + sample of disagreement tokens
+    # parameter-space isolated steps: uniform sample of O + sample of disagreement tokens
     gen = torch.Generator().manual_seed(int(seed))
     dis_o = disagreement_set(vals_o, A_o, ones, primary)
     uni = _sample(ones, cfg.isolated_tokens, gen)
     dis = _sample(dis_o, cfg.isolated_disagreement, gen)
     chosen = torch.unique(torch.cat([uni, dis]))
-    dD_iso_c = isolated_param_changes(model, forward, rb, A, bt[chosen], cfg)
     pos = {int(i): j for j, i in enumerate(chosen.tolist())}
     in_uni = torch.tensor([pos[int(i)] for i in uni.tolist()], dtype=torch.long)
     in_dis = torch.tensor([pos[int(i)] for i in dis.tolist()], dtype=torch.long)
     A_c = A_o[chosen]
     v_c = {c: v[chosen] for c, v in vals_o.items()}
-    counts["isolated"] = classify_seed(
-        dD_iso_c[in_uni], A_c[in_uni], {c: v[in_uni] for c, v in v_c.items()},
-        torch.ones(in_uni.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)
-    counts["isolated_disagreement"] = {f"disagreement:{primary}": classify(
-        dD_iso_c[in_dis], A_c[in_dis], {RATIO: v_c[RATIO][in_dis], primary: v_c[primary][in_dis]},
-        torch.ones(in_dis.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)}
+    iso_tokens = {}
+    for which in cfg.isolated_params:
+        kind = isolated_kind(which)
+        dD_iso_c = isolated_param_changes(model, forward, rb, A, bt[chosen], cfg, params=which)
+        counts[kind] = classify_seed(
+            dD_iso_c[in_uni], A_c[in_uni], {c: v[in_uni] for c, v in v_c.items()},
+            torch.ones(in_uni.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)
+        counts[f"{kind}_disagreement"] = {f"disagreement:{primary}": classify(
+            dD_iso_c[in_dis], A_c[in_dis], {RATIO: v_c[RATIO][in_dis], primary: v_c[primary][in_dis]},
+            torch.ones(in_dis.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)}
+        full = torch.full((bt.shape[0],), float("nan"), dtype=torch.float64)
+        full[chosen] = dD_iso_c  # NaN = not sampled for the isolated step (documented in the dump)
+        iso_tokens[f"dD_{kind}"] = full
 
     fid = fidelity_counts(logits0, rb.response_ids, rb.logits, valid, {"response": active, "out_of_region": region},
                           family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
 
-    iso_full = torch.full((bt.shape[0],), float("nan"), dtype=torch.float64)
-    iso_full[chosen] = dD_iso_c  # NaN = not sampled for the isolated step (documented in the dump)
     tokens = {"b": bt[:, 0], "t": bt[:, 1], "A": A_o.double(), "D": D0[sel].double(),
-              "dD_batch": dD[sel].double(), "dD_logit": dD_logit.double(), "dD_isolated": iso_full,
+              "dD_batch": dD[sel].double(), "dD_logit": dD_logit.double(), **iso_tokens,
               "isolated_uniform": torch.zeros(bt.shape[0], dtype=torch.bool).index_fill_(0, uni, True),
               "isolated_disagreement": torch.zeros(bt.shape[0], dtype=torch.bool).index_fill_(0, dis, True),
               "hdot": hdot[sel].double(), **{f"c:{c}": v.double() for c, v in vals_o.items()}}
@@ -152,6 +156,11 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
             "dD_batch_abs_mean_O": float(dD[region].abs().mean()) if region.any() else 0.0,
             "step_kept_frac": float(m["kept_frac"])}
     return SeedResult(int(seed), {**base, **(info or {})}, counts, ent, fid, tokens)
+
+
+def isolated_kind(which: str) -> str:
+    """Name of the count table of an isolated step: ``isolated`` (all parameters), ``isolated_head``."""
+    return "isolated" if which == "all" else f"isolated_{which}"
 
 
 SampleFn = Callable[[int], tuple]  # seed -> (rollout batch, advantages (B,) or (B, T), info dict)

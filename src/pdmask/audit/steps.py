@@ -108,22 +108,34 @@ def _is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
     return log_ratio.detach().clamp(max=cap).exp()
 
 
+def step_params(model: torch.nn.Module, which: str) -> list[torch.Tensor]:
+    """Parameters an isolated step moves: ``all`` trainable ones, or the ``head`` (output embedding)."""
+    if which == "all":
+        return trainable(model)
+    if which == "head":
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            raise ValueError("isolated_params: 'head' needs a model with get_output_embeddings() (a transformers LM)")
+        return [p for p in head.parameters() if p.requires_grad]
+    raise ValueError(f"isolated_params: unknown value {which!r}; valid values are: all, head")
+
+
 def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
-                           tokens: torch.Tensor, cfg: AuditConfig) -> torch.Tensor:
+                           tokens: torch.Tensor, cfg: AuditConfig, *, params: str = "all") -> torch.Tensor:
     """Realized ``dD`` (n,) of an isolated parameter step on each token in ``tokens`` (n, 2) = (b, t).
 
     For token (b, t): ``g = grad_theta (-w A log pi_k)`` on sequence b alone,
     ``theta' = theta - eta g / |g|`` with ``eta = cfg.isolated_step``, then
-    ``dD = D_t(theta') - D_t(theta)``; theta restored. The model is copied to
-    ``cfg.isolated_dtype`` first (the caller's model is never touched). A token whose
-    gradient is exactly zero gets ``dD = 0``.
+    ``dD = D_t(theta') - D_t(theta)``; theta restored. ``params`` chooses theta (see
+    :func:`step_params`). The model is copied to ``cfg.isolated_dtype`` first (the
+    caller's model is never touched). A token whose gradient is exactly zero gets ``dD = 0``.
     """
     dD = torch.zeros(tokens.shape[0], dtype=torch.float64)
     if tokens.shape[0] == 0:
         return dD
     dtype = getattr(torch, cfg.isolated_dtype)
     m = copy.deepcopy(model).to(dtype)
-    params = trainable(m)
+    params = step_params(m, params)
     saved = [p.detach().clone() for p in params]
     div, T = cfg.divergence, cfg.temperature
     for b in tokens[:, 0].unique().tolist():
