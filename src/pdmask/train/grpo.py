@@ -49,7 +49,8 @@ from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, get_reward
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
-TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s")
+TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",
+             "update_s_per_1k_tokens")
 
 
 # ------------------------------------------------------------------ building blocks

@@ -45,10 +45,18 @@ def build_model(cfg, vocab_size: int, *, pad_id: int, eos_id: int, seed: int):
     return model.to(cfg.device)
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars from transformers (we draw our own)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     """(model in float32, tokenizer) from a local HF directory; never downloads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     p = Path(path)
     if not (p / "config.json").exists():
         raise ValueError(f"model_path: {str(path)!r} is not a Hugging Face model directory (no config.json)")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params
+from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
 from .rollout import greedy_accuracy
-from .tasks import build_task, get_reward
+from .tasks import TASK_VERSION, build_task, get_reward
 from .tokenizer import train_bpe_tokenizer
 
 #: bump when the SFT procedure changes, so old cache entries are not reused
@@ -54,7 +54,7 @@ def sft_key(cfg) -> str:
     """Hash of the settings that determine the SFT checkpoint."""
     d = {k: getattr(cfg, k) for k in _KEY_FIELDS}
     d["train_file_sha"], d["eval_file_sha"] = _file_digest(cfg.train_file), _file_digest(cfg.eval_file)
-    d["version"] = SFT_VERSION
+    d["version"], d["task_version"] = SFT_VERSION, TASK_VERSION
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -108,6 +108,7 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     from .progress import make_progress
 
     t0 = time.time()
+    quiet_transformers()
     torch.set_num_threads(cfg.threads)
     task = build_task(cfg)
     data = [p for p in task.train if p.solution]

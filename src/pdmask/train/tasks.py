@@ -29,6 +29,10 @@ from pathlib import Path
 from typing import Callable
 
 
+#: bump when the generated problems change (part of the SFT cache key)
+TASK_VERSION = 2
+
+
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # fed to the model as is
@@ -64,7 +68,16 @@ def answer_reward(response: str, answer: str) -> float:
         return 1.0 if got.strip() == str(answer).strip() else 0.0
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"answer": answer_reward}
+def answer_format_reward(response: str, answer: str) -> float:
+    """``answer_reward`` plus partial credit: 0.2 for a well-formed but wrong ``answer: N``.
+
+    A shaped reward for very weak models (the smoke preset), where the exact answer is
+    almost never right and a pure 0/1 reward would give no learning signal."""
+    r = answer_reward(response, answer)
+    return r if r > 0 else (0.2 if extract_answer(response) is not None else 0.0)
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {"answer": answer_reward, "answer+format": answer_format_reward}
 
 
 def get_reward(spec: str) -> Callable[[str, str], float]:

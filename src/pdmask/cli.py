@@ -1,0 +1,170 @@
+"""Command line: ``pdmask train | compare | report`` (and ``audit`` when installed).
+
+Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets live in
+``configs/*.yaml``; ``--config main`` is short for ``configs/main.yaml``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="pdmask: trust-region masks for LLM RL (built-in trainer, comparisons, reports).")
+
+
+def _resolve_config(config: Optional[str]) -> Optional[Path]:
+    if config is None:
+        return None
+    p = Path(config)
+    if p.exists():
+        return p
+    for cand in (Path("configs") / f"{config}.yaml", Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml"):
+        if cand.exists():
+            return cand
+    raise typer.BadParameter(f"config file {config!r} not found (nor configs/{config}.yaml)", param_hint="--config")
+
+
+def _load(config, overrides, model):
+    from .train.config import load_config
+
+    ov = list(overrides or [])
+    if model:
+        ov.append(f"model_path={model}")
+    try:
+        return load_config(_resolve_config(config), ov)
+    except ValueError as e:
+        _fail(e)
+
+
+def _console():
+    """A rich console; wide when the output is not a terminal (logs, pipes, CI)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=220)
+
+
+def _fail(e: Exception):
+    typer.echo(f"error: {e}", err=True)  # unwrapped: the message names the bad key/argument
+    raise typer.Exit(2)
+
+
+def _print_config_help():
+    from rich.console import Console
+    from rich.table import Table
+
+    from .train.config import field_help
+
+    t = Table(title="TrainConfig fields (YAML keys and key=value overrides)")
+    for c in ("name", "type", "default", "help"):
+        t.add_column(c, overflow="fold")
+    for row in field_help():
+        t.add_row(*row)
+    Console().print(t)
+
+
+@app.command()
+def train(
+    overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value (see --help-config)"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML preset (a path, or a name in configs/)"),
+    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory (sets model_path)"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run from its latest checkpoint"),
+    help_config: bool = typer.Option(False, "--help-config", help="list every config field and exit"),
+):
+    """Train one run: SFT warm start (cached), then RL with the configured mask mode."""
+    if help_config:
+        _print_config_help()
+        return
+    from rich.console import Console
+
+    from .train.grpo import train as run_train
+    from .train.report import run_table
+
+    cfg = _load(config, overrides, model)
+    console = _console()
+    try:
+        s = run_train(cfg, resume=resume, console=console)
+    except ValueError as e:
+        _fail(e)
+    console.print(run_table(s, title=f"run {cfg.run_dir}"))
+
+
+@app.command()
+def compare(
+    overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value applied to every run"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML preset (a path, or a name in configs/)"),
+    modes: str = typer.Option("grpo,dppo-topk-kl,pdm-topk-kl", "--modes", help="comma-separated mask modes"),
+    seeds: int = typer.Option(1, "--seeds", help="RL seeds per mode (seed, seed+1, ...)"),
+    deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (sets delta_low = delta_high)"),
+    out: Optional[str] = typer.Option(None, "--out", help="output directory (default: out_dir/compare-<name>)"),
+    jobs: int = typer.Option(1, "--jobs", help="runs in parallel (subprocesses; each uses `threads` threads)"),
+    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory"),
+    resume: bool = typer.Option(False, "--resume", help="resume unfinished runs"),
+    timing: bool = typer.Option(True, "--timing/--no-timing", help="interleaved loss-time ratio pdm/dppo at the end"),
+):
+    """Run several mask modes on identical data and seeds; write one report."""
+    from .train.compare import run_compare
+
+    cfg = _load(config, overrides, model)
+    try:
+        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+        from . import MODES
+
+        for m in mode_list:
+            if m not in MODES:
+                raise ValueError(f"modes: unknown mode {m!r}; valid modes are: {', '.join(MODES)}")
+        delta_list = None
+        if deltas:
+            try:
+                delta_list = [float(d) for d in deltas.split(",") if d.strip()]
+            except ValueError:
+                raise ValueError(f"deltas: expected comma-separated numbers, got {deltas!r}") from None
+        if jobs < 1:
+            raise ValueError(f"jobs: must be >= 1, got {jobs}")
+        run_compare(cfg, modes=mode_list, seeds=seeds, deltas=delta_list, out=out, jobs=jobs, resume=resume,
+                    timing=timing, console=_console())
+    except ValueError as e:
+        _fail(e)
+
+
+@app.command()
+def report(
+    run_dirs: List[str] = typer.Argument(..., help="run directories or directories of runs"),
+    out: Optional[str] = typer.Option(None, "--out", help="where to write the PNGs (default: first RUN_DIR/report)"),
+):
+    """Overlay runs in PNG plots (eval accuracy, reward, mismatch, mask fractions) and print a table."""
+    from .train.report import find_runs, load_summaries, plot_runs, summary_table
+
+    try:
+        runs = find_runs(run_dirs)
+    except ValueError as e:
+        _fail(e)
+    dest = Path(out) if out else Path(run_dirs[0]) / "report"
+    pngs = plot_runs(runs, dest)
+    console = _console()
+    console.print(summary_table(load_summaries(runs), title="runs"))
+    for p in pngs:
+        console.print(f"wrote {p}")
+
+
+# ---------------------------------------------------------------------------
+# `pdmask audit` is registered here by the direction-audit package (issue #4):
+# pdmask.audit.cli must define `register(app: typer.Typer) -> None`.
+if importlib.util.find_spec("pdmask.audit") is not None and importlib.util.find_spec("pdmask.audit.cli") is not None:
+    from .audit.cli import register as _register_audit
+
+    _register_audit(app)
+# ---------------------------------------------------------------------------
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,194 @@
+"""Reports: overlay runs in PNG plots and print summary tables.
+
+``pdmask report RUN_DIR...`` accepts run directories (holding ``metrics.jsonl``) and
+directories of runs (a ``pdmask compare`` output). Runs are coloured by mask mode; with
+several seeds of a mode the thin lines are the seeds and the thick line their mean.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .logging import read_jsonl
+
+#: (file name, title, [(metric key, label suffix)], y label, smoothing window)
+PANELS = [
+    ("eval_accuracy", "Held-out greedy accuracy", [("eval_accuracy", "")], "accuracy", 1),
+    ("reward", "Training reward (mean over the rollout batch)", [("reward", "")], "reward", 5),
+    ("mismatch", "Training-inference mismatch before each step's updates",
+     [("mismatch_topk_kl", "")], "top-K KL(mu || pi)", 3),
+    ("mask_fractions", "Mask fractions (mean over the step's updates)",
+     [("masked_frac", " masked"), ("out_of_region_frac", " out-of-region")], "fraction of tokens", 5),
+]
+
+_COLORS = {"grpo": "tab:gray", "none": "tab:brown", "dppo-topk-kl": "tab:blue", "dppo-topk-tv": "tab:cyan",
+           "dppo-binary-kl": "tab:purple", "dppo-binary-tv": "tab:pink", "pdm-topk-kl": "tab:red",
+           "pdm-topk-tv": "tab:orange", "pdm-full-kl": "tab:green", "pdm-full-tv": "tab:olive"}
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Run directories under ``paths`` (a path may be a run or a directory of runs)."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").exists():
+            out.append(p)
+        elif p.is_dir():
+            out += sorted(d for d in p.iterdir() if (d / "metrics.jsonl").exists())
+        else:
+            raise ValueError(f"run_dirs: {str(p)!r} is neither a run directory nor a directory of runs")
+    if not out:
+        raise ValueError(f"run_dirs: no metrics.jsonl found under {', '.join(map(str, paths))}")
+    return out
+
+
+def run_label(run: Path) -> tuple[str, str]:
+    """(group label, run name): runs of the same mode and thresholds share a group."""
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    mode = cfg.get("mode", run.name)
+    d = cfg.get("delta_high")
+    group = mode if d is None else f"{mode} δ={d:g}"
+    return group, run.name
+
+
+def _smooth(xs, w):
+    if w <= 1:
+        return xs
+    out, acc = [], []
+    for x in xs:
+        acc.append(x)
+        acc = acc[-w:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
+    """Write one PNG per panel plus ``overview.png``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {r: read_jsonl(r / "metrics.jsonl") for r in runs}
+    groups = defaultdict(list)
+    for r in runs:
+        groups[run_label(r)[0]].append(r)
+    written = []
+    fig_all, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+
+    for (fname, title, series, ylabel, w), ax_all in zip(PANELS, axes.flat):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for a in (ax, ax_all):
+            for gi, (group, rs) in enumerate(groups.items()):
+                mode = group.split(" ")[0]
+                color = _COLORS.get(mode, f"C{gi % 10}")
+                for si, (key, suffix) in enumerate(series):
+                    style = "-" if si == 0 else "--"
+                    curves = []
+                    for r in rs:
+                        pts = [(rec["step"], rec[key]) for rec in data[r] if rec.get(key) is not None]
+                        if not pts:
+                            continue
+                        xs, ys = zip(*pts)
+                        ys = _smooth(list(ys), w)
+                        curves.append(dict(zip(xs, ys)))
+                        if len(rs) > 1:
+                            a.plot(xs, ys, style, color=color, alpha=0.3, lw=1)
+                    if not curves:
+                        continue
+                    steps = sorted(set().union(*curves))
+                    mean = [sum(c[s] for c in curves if s in c) / sum(s in c for c in curves) for s in steps]
+                    n = f" (mean of {len(curves)})" if len(curves) > 1 else ""
+                    a.plot(steps, mean, style, color=color, lw=2, label=f"{group}{suffix}{n}",
+                           marker="o" if fname == "eval_accuracy" else None, ms=3)
+            a.set_title(title + (f" (moving mean of {w})" if w > 1 else ""), fontsize=10)
+            a.set_xlabel("RL step")
+            a.set_ylabel(ylabel)
+            a.grid(alpha=0.3)
+            if fname == "mismatch":
+                a.set_yscale("symlog", linthresh=1e-4)
+            a.legend(fontsize=8)
+        fig.tight_layout()
+        p = out_dir / f"{fname}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    fig_all.tight_layout()
+    p = out_dir / "overview.png"
+    fig_all.savefig(p, dpi=100)
+    plt.close(fig_all)
+    written.append(p)
+    return written
+
+
+# ------------------------------------------------------------------ tables
+COLUMNS = [("mode", "mode", "{}"), ("seed", "seed", "{}"), ("delta_high", "δ", "{}"),
+           ("eval_accuracy_start", "eval acc @0", "{:.3f}"), ("eval_accuracy_final", "eval acc final", "{:.3f}"),
+           ("eval_accuracy_best", "best", "{:.3f}"), ("reward_last10", "reward (last 10)", "{:.3f}"),
+           ("mismatch_topk_kl_mean", "mismatch KL", "{:.2e}"), ("out_of_region_frac_mean", "out-of-region", "{:.3f}"),
+           ("masked_frac_mean", "masked", "{:.3f}"), ("disagreement_frac_mean", "disagree", "{:.3f}"),
+           ("time_step_s_median", "s/step", "{:.2f}"), ("update_s_per_1k_tokens_median", "update s/1k tok", "{:.3f}")]
+
+
+def _fmt(v, f):
+    if v is None:
+        return "-"
+    try:
+        return f.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def summary_table(summaries: list[dict], title: str = "runs"):
+    """A rich Table of run summaries (see :func:`pdmask.train.grpo.summarize`)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for _, head, _ in COLUMNS:
+        t.add_column(head, justify="right" if head not in ("mode",) else "left")
+    for s in summaries:
+        t.add_row(*[_fmt(s.get(k), f) for k, _, f in COLUMNS])
+    return t
+
+
+def run_table(summary: dict, title: str = "run"):
+    """A two-column rich Table (metric, value) of one run's summary."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    fmts = {k: f for k, _, f in COLUMNS}
+    for k, v in summary.items():
+        t.add_row(k, _fmt(v, fmts.get(k, "{:.4g}" if isinstance(v, float) else "{}")))
+    return t
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    heads = [h for _, h, _ in COLUMNS]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for s in summaries:
+        lines.append("| " + " | ".join(_fmt(s.get(k), f) for k, _, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def load_summaries(runs: list[Path]) -> list[dict]:
+    """``summary.json`` of each run (recomputed from metrics.jsonl when missing)."""
+    from .config import load_config
+    from .grpo import summarize
+
+    out = []
+    for r in runs:
+        p = r / "summary.json"
+        if p.exists():
+            out.append(json.loads(p.read_text()))
+        else:
+            cfg = load_config(r / "config.yaml") if (r / "config.yaml").exists() else None
+            if cfg is not None:
+                out.append(summarize(read_jsonl(r / "metrics.jsonl"), cfg))
+    return out
