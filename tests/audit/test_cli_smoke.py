@@ -20,7 +20,7 @@ TINY = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=
 @pytest.mark.slow
 def test_cli_smoke(tmp_path):
     out = tmp_path / "audit"
-    args = [sys.executable, "-m", "pdmask.audit.cli", "audit", "--out", str(out), "--seeds", "2",
+    args = [sys.executable, "-m", "pdmask.cli", "audit", "--out", str(out), "--seeds", "2",
             "--precision", "fp8-bf16", "--delta", "1e-4", "--isolated-tokens", "2", "--isolated-disagreement", "2",
             "--bootstrap", "50", "--no-progress", "--set", f"cache_dir={tmp_path / 'cache'}"]
     for kv in TINY:

@@ -153,14 +153,14 @@ def test_head_only_isolated_step_follows_the_logit_direction(setup):
     with the exact predictive sign on every token (a small step), unlike the ratio."""
     pol, eng = setup
     hits, n, ratio_hits = 0, 0, 0
-    for s in range(3):
-        rb, adv = sample_batch(eng, seed=s, B=12)
+    for s in range(2):
+        rb, adv = sample_batch(eng, seed=s, B=10)
         r = audit_batch(pol, bigram_forward, rb, adv,
-                        _cfg(isolated_tokens=40, isolated_disagreement=40, isolated_params=("all", "head")), seed=s)
+                        _cfg(isolated_tokens=30, isolated_disagreement=10, isolated_params=("all", "head")), seed=s)
         c = r.counts["isolated_head"]["out_of_region"]
         hits, n, ratio_hits = hits + c["pred-exact"]["sign_ok"], n + c["pred-exact"]["n"], ratio_hits + c["ratio"]["sign_ok"]
         d = r.counts["isolated_head_disagreement"]["disagreement:pred-exact"]
         assert d["pred-exact"]["sign_ok"] == d["pred-exact"]["n"]
         assert d["ratio"]["sign_ok"] == 0  # on disagreement tokens the ratio is then always wrong
         assert "dD_isolated_head" in r.tokens and "isolated" in r.counts
-    assert n > 50 and hits == n and ratio_hits < n
+    assert n >= 40 and hits == n and ratio_hits < n

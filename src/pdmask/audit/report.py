@@ -113,6 +113,7 @@ def markdown(doc: dict) -> str:
         L += ["| setting | value |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in run.items()
                                                     if k not in _LONG_RUN_KEYS]
         L += [""]
+    L += ["## Summary (batch step, out-of-region tokens)", ""] + headline_table(doc) + [""]
     L += ["## Definitions (ours)", "", DEFINITIONS, ""]
 
     mean = lambda key: sum(s[key] for s in seeds) / len(seeds)  # noqa: E731
@@ -164,13 +165,52 @@ def markdown(doc: dict) -> str:
 
     L += fidelity_md(S["fidelity"], cfg) + entropy_md(S["entropy"])
     L += ["## Plots", "", "![rates](rates.png)", "", "![fidelity](fidelity.png)", "", "![scatter](scatter.png)", ""]
-    L += ["## Per seed", "", "| seed | tokens | O | disagreement | isolated (uniform / dis.) | loss | mean D |",
-          "|---|---|---|---|---|---|---|"]
+    L += ["## Per seed", "", "| seed | tokens | active (A != 0) | O | disagreement | isolated (uniform / dis.) | "
+          "reward | loss | mean D |", "|---|---|---|---|---|---|---|---|---|"]
     for s in seeds:
-        L.append(f"| {s['seed']} | {s['n_response_tokens']} | {s['n_out_of_region']} | {s['n_disagreement'][headline]} "
-                 f"| {s['n_isolated_uniform']} / {s['n_isolated_disagreement']} | {s['loss']:.4g} | "
-                 f"{s['divergence_mean']:.4g} |")
+        rew = f"{s['reward_mean']:.3f}" if "reward_mean" in s else "n/a"
+        L.append(f"| {s['seed']} | {s['n_response_tokens']} | {s['n_active_tokens']} | {s['n_out_of_region']} | "
+                 f"{s['n_disagreement'][headline]} | {s['n_isolated_uniform']} / {s['n_isolated_disagreement']} | "
+                 f"{rew} | {s['loss']:.4g} | {s['divergence_mean']:.4g} |")
     return "\n".join(L) + "\n"
+
+
+def headline_table(doc: dict) -> list[str]:
+    """The paper's figures next to ours: the table for a README."""
+    cfg = doc["settings"]["audit"]
+    S = doc["summary"]
+    headline = predictive_name(cfg["estimator"])
+    seeds = S["per_seed"]
+    o = S["rates"]["batch"]["out_of_region"]
+    crit, diff = o["criteria"], o[f"diff_vs_{RATIO}"].get(headline, {})
+    iso = S["rates"].get("isolated", {}).get("out_of_region")
+    n = len(seeds)
+    rows = [
+        ("seeds", str(n), str(PAPER["seeds"])),
+        ("out-of-region tokens per seed", f"{sum(s['n_out_of_region'] for s in seeds) / n:.1f}",
+         f"~{PAPER['out_of_region_per_seed']}"),
+        (f"disagreement tokens per seed ({headline} vs ratio)",
+         f"{sum(s['n_disagreement'][headline] for s in seeds) / n:.1f}", f"~{PAPER['disagreement_per_seed']}"),
+        (f"unsafe-keep, {headline}", _cell(crit[headline]["unsafe_keep"]), fmt_pct(PAPER["unsafe_keep"]["predictive"])),
+        ("unsafe-keep, ratio", _cell(crit[RATIO]["unsafe_keep"]), fmt_pct(PAPER["unsafe_keep"]["ratio"])),
+        ("unsafe-keep, predictive - ratio", _cell(diff.get("unsafe_keep"), signed=True),
+         f"{100 * (PAPER['unsafe_keep']['predictive'] - PAPER['unsafe_keep']['ratio']):+.1f} pp"),
+        (f"corrective, {headline}", _cell(crit[headline]["corrective"]), fmt_pct(PAPER["corrective"]["predictive"])),
+        ("corrective, ratio", _cell(crit[RATIO]["corrective"]), fmt_pct(PAPER["corrective"]["ratio"])),
+        (f"sign accuracy, {headline} / ratio",
+         f"{_cell(crit[headline]['sign_accuracy'])} / {_cell(crit[RATIO]['sign_accuracy'])}", "n/a"),
+    ]
+    if iso:
+        rows.append((f"isolated step sign accuracy, {headline} / ratio",
+                     f"{_cell(iso['criteria'][headline]['sign_accuracy'])} / {_cell(iso['criteria'][RATIO]['sign_accuracy'])}",
+                     "n/a"))
+    F = S["fidelity"].get("response", {})
+    k20 = next((k for k in sorted(F.get("kl_share", {}), key=int) if int(k) >= 20), None)
+    if k20 is not None:
+        rows.append((f"top-{k20} share of the full KL", _pooled(F["kl_share"][k20]), PAPER["top20_kl_share"]))
+        rows.append((f"aggregated = uniform sign (top-{k20}, response tokens)", _cell(F["agg_vs_uniform"][k20]),
+                     "nearly identical"))
+    return ["| | ours (mean [95% CI]) | paper |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
 
 
 def fidelity_md(F: dict, cfg: dict) -> list[str]:
