@@ -47,3 +47,30 @@ def test_cli_bad_option_is_an_error(tmp_path):
                           "--set", f"cache_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120,
                          cwd=tmp_path)
     assert res.returncode == 2 and "divergence" in res.stderr
+
+
+@pytest.mark.slow
+def test_audit_of_a_run_directory(tmp_path):
+    """`pdmask train` (smoke preset) then `pdmask audit --model RUN_DIR`: the run's config,
+    trainer weights, stale engine weights and AdamW state are picked up."""
+    repo = SRC.parent
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PDMASK_CACHE": str(tmp_path / "cache")}
+    train = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(repo / "configs" / "smoke.yaml"),
+             f"out_dir={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}", "progress=false", "tensorboard=false",
+             "steps=2", "checkpoint_every=1"]
+    res = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "smoke"
+    out = tmp_path / "audit"
+    res = subprocess.run([sys.executable, "-m", "pdmask.cli", "audit", "--model", str(run), "--out", str(out),
+                          "--seeds", "1", "--delta", "1e-3", "--isolated-tokens", "2", "--isolated-disagreement", "1",
+                          "--bootstrap", "20", "--no-progress", "--no-plots"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((out / "audit.json").read_text())
+    r = doc["settings"]["run"]
+    assert r["kind"] == "run-directory" and r["run_checkpoint"].endswith("step-000002")
+    assert r["optimizer_state"] == "the run's AdamW state"
+    assert r["engine_weights"].startswith("from the checkpoint")
+    assert r["vocab_size"] == 400  # the smoke preset's model, not the default one
+    assert doc["settings"]["run"]["trainer_config"]["name"] == "smoke"

@@ -38,7 +38,7 @@ DEFINITIONS = """\
 - **sign accuracy** = share of the set where `sign(A c) = sign(dD)`; **mask precision** = |masked_c with dD > 0| / |masked_c|.
 - **disagreement set** of a predictive criterion p: tokens of O where the ratio and p differ on "outward".
 - **across seeds**: the mean of the per-seed rates over seeds with a non-zero denominator; 95% percentile bootstrap interval over seeds (seeded); *p - ratio* is the mean of the paired per-seed differences with its own interval; *pooled* = sum of numerators / sum of denominators.
-- **steps**: *batch* = one optimizer step of the configured loss on the whole batch (fresh optimizer, weights restored after each seed); *isolated* = for a seeded uniform sample of O (and, separately, of the disagreement set) a parameter step of fixed length along the gradient of that token's loss `-w A log pi_k` alone (all parameters, or only the output embedding: *isolated_head*), weights restored after each token; *logit* = the step `z -> z + eta sign(A) (e_k - pi)/|e_k - pi|` on the position's logits alone (the literal first-order claim).
+- **steps**: *batch* = one optimizer step of the configured loss on the whole batch (a fresh optimizer unless the settings name a state: a run's AdamW state or the lag steps'; weights restored after each seed); *isolated* = for a seeded uniform sample of O (and, separately, of the disagreement set) a parameter step of fixed length along the gradient of that token's loss `-w A log pi_k` alone (all parameters, or only the output embedding: *isolated_head*), weights restored after each token; *logit* = the step `z -> z + eta sign(A) (e_k - pi)/|e_k - pi|` on the position's logits alone (the literal first-order claim).
 - The paper's exact rate definitions were not available to us; the definitions above are ours.
 """
 
@@ -49,7 +49,7 @@ def _cell(st: dict | None, pct: bool = True, signed: bool = False) -> str:
     if pct:
         f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
         lo, hi = st["ci95"]
-        return f"{f(st['mean'])}% [{f(lo)}, {f(hi)}]"
+        return f"{f(st['mean'])}{' pp' if signed else '%'} [{f(lo)}, {f(hi)}]"
     lo, hi = st["ci95"]
     return f"{st['mean']:.3g} [{lo:.3g}, {hi:.3g}]"
 
