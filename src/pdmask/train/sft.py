@@ -30,12 +30,12 @@ from .tasks import TASK_VERSION, build_task, get_reward
 from .tokenizer import train_bpe_tokenizer
 
 #: bump when the SFT procedure changes, so old cache entries are not reused
-SFT_VERSION = 1
+SFT_VERSION = 2
 
 _KEY_FIELDS = ("model_path", "arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                "max_positions", "task", "task_seed", "train_size", "eval_size", "max_number", "min_steps",
                "max_steps", "train_file", "eval_file", "use_chat_template", "sft_steps", "sft_batch_size",
-               "sft_lr", "sft_seed")
+               "sft_lr", "sft_seed", "sft_alt_format")
 
 
 def cache_root(cfg) -> Path:
@@ -90,6 +90,12 @@ def sft_info(path: str | Path) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def alt_format(solution: str) -> str:
+    """``... answer: N`` -> ``... so there are N``: same content, a format the reward rejects."""
+    head, sep, n = solution.rpartition(" answer: ")
+    return f"{head} so there are {n}" if sep else solution
+
+
 def _batch(seqs: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded (B, L) ids, attention mask and labels (-100 on prompt and padding)."""
     L = max(len(p) + len(s) for p, s in seqs)
@@ -114,14 +120,15 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     data = [p for p in task.train if p.solution]
     if cfg.sft_steps > 0 and not data:
         raise ValueError("sft_steps: the training problems have no 'solution' to fine-tune on; set sft_steps=0")
+    rng = random.Random(cfg.sft_seed)
+    targets = [alt_format(p.solution) if rng.random() < cfg.sft_alt_format else p.solution for p in data]
     if cfg.model_path:
         model, tok = load_model_and_tokenizer(cfg.model_path, cfg.device)
     else:
-        tok = train_bpe_tokenizer([p.prompt + p.solution for p in data], cfg.vocab_size)
+        tok = train_bpe_tokenizer([p.prompt + t for p, t in zip(data, targets)], cfg.vocab_size)
         model = build_model(cfg, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=cfg.sft_seed)
     prompts = encode_prompts(tok, [p.prompt for p in data], use_chat_template=cfg.use_chat_template)
-    sols = [ids + [tok.eos_token_id] for ids in tok([p.solution for p in data], add_special_tokens=False).input_ids]
-    rng = random.Random(cfg.sft_seed)
+    sols = [ids + [tok.eos_token_id] for ids in tok(targets, add_special_tokens=False).input_ids]
     order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
     warm = max(1, cfg.sft_steps // 20)
