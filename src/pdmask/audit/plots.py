@@ -69,6 +69,7 @@ def plot_fidelity(path: Path, doc: dict) -> None:
     ks = sorted(e["sign_agreement"], key=int)
     kx = [int(k) for k in ks]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    styles = {"exact": ("o", "-"), "aggregated": ("s", "--"), "uniform": ("^", "-."), "truncated": ("x", ":")}
     for est in ESTIMATORS:
         pts = [(x, e["sign_agreement"][k][est]) for x, k in zip(kx, ks) if e["sign_agreement"][k][est]["mean"] is not None]
         if not pts:
@@ -76,7 +77,8 @@ def plot_fidelity(path: Path, doc: dict) -> None:
         ys = [st["mean"] for _, st in pts]
         lo = [st["mean"] - st["ci95"][0] for _, st in pts]
         hi = [st["ci95"][1] - st["mean"] for _, st in pts]
-        a1.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker="o", capsize=2, label=est)
+        mk, ls = styles.get(est, ("o", "-"))
+        a1.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker=mk, ls=ls, capsize=2, label=est)
     if not a1.lines:
         a1.text(0.5, 0.5, "no tokens in this set", ha="center", transform=a1.transAxes)
     else:
