@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
-from .rollout import greedy_accuracy
-from .tasks import TASK_VERSION, build_task, get_reward
+from .rollout import greedy_eval
+from .tasks import TASK_VERSION, build_task, eval_rewards
 from .tokenizer import train_bpe_tokenizer
 
 #: bump when the SFT procedure changes, so old cache entries are not reused
@@ -160,15 +160,15 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
             opt.step()
             losses.append(loss.detach())
             prog.update(task_id, advance=1, description=f"SFT warm start loss {loss.detach().item():.3f}" if s % 20 == 0 else None)
-    reward_fn = get_reward(cfg.reward)
     ev_ids = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
-    acc, length = greedy_accuracy(model, tok, ev_ids, [p.answer for p in task.eval], reward_fn,
-                                  max_new_tokens=cfg.max_new_tokens)
+    ev = greedy_eval(model, tok, ev_ids, [p.answer for p in task.eval], eval_rewards(cfg),
+                     max_new_tokens=cfg.max_new_tokens)
     out_dir.mkdir(parents=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     tail = torch.stack(losses[-20:]).mean().item() if losses else float("nan")
     return {"key": sft_key(cfg), "settings": {k: getattr(cfg, k) for k in _KEY_FIELDS},
             "num_params": num_params(model), "vocab_size": len(tok), "final_loss": tail,
-            "eval_greedy_accuracy": acc, "eval_mean_length": length, "eval_size": len(task.eval),
+            "eval_greedy_accuracy": ev["accuracy"], "eval_greedy_last_number_accuracy": ev.get("last_number_accuracy"),
+            "eval_mean_length": ev["length"], "eval_size": len(task.eval),
             "wall_s": time.time() - t0, "threads": cfg.threads}
