@@ -23,7 +23,7 @@ _EXPORTS = {
     "ensure_sft_checkpoint": "sft", "sft_info": "sft",
     "load_model_and_tokenizer": "model", "build_model": "model", "encode_prompts": "model",
     "group_advantages": "rollout", "decode_responses": "rollout", "rewards_for": "rollout",
-    "greedy_accuracy": "rollout",
+    "greedy_accuracy": "rollout", "greedy_eval": "rollout", "eval_rewards": "tasks",
     "build_engine": "grpo", "compute_loss": "grpo", "select": "grpo", "setup": "grpo", "train": "grpo",
 }
 

@@ -56,6 +56,8 @@ class TrainConfig:
     sft_batch_size: int = _f(64, "SFT sequences per step")
     sft_lr: float = _f(3e-3, "SFT peak learning rate (linear warmup 5%, cosine decay)")
     sft_seed: int = _f(0, "seed of the SFT base (model init and data order); shared by all RL seeds")
+    sft_alt_format: float = _f(0.0, "fraction of SFT solutions that end in 'so there are N' instead of 'answer: N' "
+                                    "(the answer reward rejects it): a habit of the SFT base that RL must unlearn")
     cache_dir: str = _f("", "SFT checkpoint cache (default: $PDMASK_CACHE or ~/.cache/pdmask)")
     # ---------------------------------------------------------------- RL
     steps: int = _f(60, "RL steps (one rollout batch each)")
@@ -131,6 +133,8 @@ class TrainConfig:
             v = getattr(self, k)
             if not (v > 0) or (math.isinf(v) and k != "is_cap"):
                 raise ValueError(f"{k}: must be a positive number, got {v}")
+        if not 0.0 <= self.sft_alt_format <= 1.0:
+            raise ValueError(f"sft_alt_format: must lie in [0, 1], got {self.sft_alt_format}")
         for k in ("weight_decay", "grad_clip"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")

@@ -44,9 +44,9 @@ from .config import TrainConfig
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .progress import make_progress
-from .rollout import decode_responses, greedy_accuracy, group_advantages, rewards_for
+from .rollout import decode_responses, greedy_eval, group_advantages, rewards_for
 from .sft import ensure_sft_checkpoint, sft_info
-from .tasks import build_task, get_reward
+from .tasks import build_task, eval_rewards, get_reward
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
 TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",
@@ -186,14 +186,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
     mb = n // cfg.minibatches
     base = sft_info(S.base_path)
 
-    def evaluate() -> tuple[float, float]:
-        return greedy_accuracy(model, tok, S.eval_ids, ev_answers, S.reward_fn, max_new_tokens=cfg.max_new_tokens)
+    scorers = eval_rewards(cfg)
+
+    def evaluate() -> dict[str, float]:
+        t = time.time()
+        ev = greedy_eval(model, tok, S.eval_ids, ev_answers, scorers, max_new_tokens=cfg.max_new_tokens)
+        return {f"eval_{k}": v for k, v in ev.items()} | {"time_eval_s": time.time() - t}
 
     if start == 0:
-        t = time.time()
-        acc, length = evaluate()
-        log.log({"step": 0, "eval_accuracy": acc, "eval_length": length, "time_eval_s": time.time() - t,
-                 "num_params": num_params(model), "sft_eval_accuracy": base.get("eval_greedy_accuracy")})
+        log.log({"step": 0, **evaluate(), "num_params": num_params(model),
+                 "sft_eval_accuracy": base.get("eval_greedy_accuracy")})
     t_run = time.time()
     with make_progress(cfg.progress, console) as prog:
         bar = prog.add_task(f"RL {cfg.run_name}", total=cfg.steps, completed=start)
@@ -248,9 +250,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
             rec.update({"step": step + 1, "engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0,
                         "time_update_s": t2 - t1, "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                te = time.time()
-                rec["eval_accuracy"], rec["eval_length"] = evaluate()
-                rec["time_eval_s"] = time.time() - te
+                rec.update(evaluate())
             rec["time_step_s"] = time.time() - t0
             rec["tokens_per_s"] = ntok / max(t2 - t0, 1e-9)
             rec["wall_s"] = time.time() - t_run
@@ -305,6 +305,8 @@ def summarize(records: list[dict], cfg: TrainConfig, base: dict | None = None) -
         "eval_accuracy_start": evals[0]["eval_accuracy"] if evals else None,
         "eval_accuracy_final": evals[-1]["eval_accuracy"] if evals else None,
         "eval_accuracy_best": max(r["eval_accuracy"] for r in evals) if evals else None,
+        "eval_last_number_accuracy_start": evals[0].get("eval_last_number_accuracy") if evals else None,
+        "eval_last_number_accuracy_final": evals[-1].get("eval_last_number_accuracy") if evals else None,
         "reward_last10": mean_last("reward"),
         "mismatch_topk_kl_mean": mean_all("mismatch_topk_kl"),
         "masked_frac_mean": mean_all("masked_frac"),

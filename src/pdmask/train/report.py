@@ -15,7 +15,8 @@ from .logging import read_jsonl
 
 #: (file name, title, [(metric key, label suffix)], y label, smoothing window)
 PANELS = [
-    ("eval_accuracy", "Held-out greedy accuracy", [("eval_accuracy", "")], "accuracy", 1),
+    ("eval_accuracy", "Held-out greedy accuracy", [("eval_accuracy", ""),
+                                                   ("eval_last_number_accuracy", " (format-blind)")], "accuracy", 1),
     ("reward", "Training reward (mean over the rollout batch)", [("reward", "")], "reward", 5),
     ("mismatch", "Training-inference mismatch before each step's updates",
      [("mismatch_topk_kl", "")], "top-K KL(mu || pi)", 3),

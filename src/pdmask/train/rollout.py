@@ -3,7 +3,7 @@
 - :func:`decode_responses` — response strings of a :class:`RolloutBatch` (EOS dropped).
 - :func:`rewards_for` — (B,) float32 rewards from a reward function.
 - :func:`group_advantages` — GRPO advantages per sequence.
-- :func:`greedy_accuracy` — held-out accuracy of a model with greedy decoding.
+- :func:`greedy_accuracy`, :func:`greedy_eval` — held-out greedy decoding, scored.
 """
 
 from __future__ import annotations
@@ -50,18 +50,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool =
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], reward_fn, *,
-                    max_new_tokens: int, batch_size: int = 256) -> tuple[float, float]:
-    """(mean reward, mean response length) of greedy decoding on held-out prompts."""
+def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], rewards: dict, *,
+                max_new_tokens: int, batch_size: int = 256) -> dict[str, float]:
+    """Greedy decoding on held-out prompts, scored by several reward functions.
+
+    Returns ``{name: mean reward for each name in rewards, "length": mean response length}``."""
     was_training = model.training
     model.eval()
-    total, length = 0.0, 0.0
+    total = dict.fromkeys(rewards, 0.0)
+    length = 0.0
     for s in range(0, len(prompt_ids), batch_size):
         b = sample(model, prompt_ids[s:s + batch_size], max_new_tokens=max_new_tokens,
                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True, top_k_logprobs=1)
-        r = rewards_for(decode_responses(tokenizer, b), answers[s:s + batch_size], reward_fn)
-        total += float(r.sum())
+        texts = decode_responses(tokenizer, b)
+        for name, fn in rewards.items():
+            total[name] += float(rewards_for(texts, answers[s:s + batch_size], fn).sum())
         length += float(b.response_mask.sum())
     model.train(was_training)
     n = max(len(prompt_ids), 1)
-    return total / n, length / n
+    return {**{k: v / n for k, v in total.items()}, "length": length / n}
+
+
+def greedy_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], reward_fn, *,
+                    max_new_tokens: int, batch_size: int = 256) -> tuple[float, float]:
+    """(mean reward, mean response length) of greedy decoding on held-out prompts."""
+    r = greedy_eval(model, tokenizer, prompt_ids, answers, {"acc": reward_fn}, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size)
+    return r["acc"], r["length"]

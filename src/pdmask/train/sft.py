@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
-from .rollout import greedy_accuracy
-from .tasks import TASK_VERSION, build_task, get_reward
+from .rollout import greedy_eval
+from .tasks import TASK_VERSION, build_task, eval_rewards
 from .tokenizer import train_bpe_tokenizer
 
 #: bump when the SFT procedure changes, so old cache entries are not reused
-SFT_VERSION = 1
+SFT_VERSION = 2
 
 _KEY_FIELDS = ("model_path", "arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                "max_positions", "task", "task_seed", "train_size", "eval_size", "max_number", "min_steps",
                "max_steps", "train_file", "eval_file", "use_chat_template", "sft_steps", "sft_batch_size",
-               "sft_lr", "sft_seed")
+               "sft_lr", "sft_seed", "sft_alt_format")
 
 
 def cache_root(cfg) -> Path:
@@ -90,6 +90,12 @@ def sft_info(path: str | Path) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def alt_format(solution: str) -> str:
+    """``... answer: N`` -> ``... so there are N``: same content, a format the reward rejects."""
+    head, sep, n = solution.rpartition(" answer: ")
+    return f"{head} so there are {n}" if sep else solution
+
+
 def _batch(seqs: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded (B, L) ids, attention mask and labels (-100 on prompt and padding)."""
     L = max(len(p) + len(s) for p, s in seqs)
@@ -114,14 +120,15 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     data = [p for p in task.train if p.solution]
     if cfg.sft_steps > 0 and not data:
         raise ValueError("sft_steps: the training problems have no 'solution' to fine-tune on; set sft_steps=0")
+    rng = random.Random(cfg.sft_seed)
+    targets = [alt_format(p.solution) if rng.random() < cfg.sft_alt_format else p.solution for p in data]
     if cfg.model_path:
         model, tok = load_model_and_tokenizer(cfg.model_path, cfg.device)
     else:
-        tok = train_bpe_tokenizer([p.prompt + p.solution for p in data], cfg.vocab_size)
+        tok = train_bpe_tokenizer([p.prompt + t for p, t in zip(data, targets)], cfg.vocab_size)
         model = build_model(cfg, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=cfg.sft_seed)
     prompts = encode_prompts(tok, [p.prompt for p in data], use_chat_template=cfg.use_chat_template)
-    sols = [ids + [tok.eos_token_id] for ids in tok([p.solution for p in data], add_special_tokens=False).input_ids]
-    rng = random.Random(cfg.sft_seed)
+    sols = [ids + [tok.eos_token_id] for ids in tok(targets, add_special_tokens=False).input_ids]
     order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
     warm = max(1, cfg.sft_steps // 20)
@@ -153,15 +160,15 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
             opt.step()
             losses.append(loss.detach())
             prog.update(task_id, advance=1, description=f"SFT warm start loss {loss.detach().item():.3f}" if s % 20 == 0 else None)
-    reward_fn = get_reward(cfg.reward)
     ev_ids = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
-    acc, length = greedy_accuracy(model, tok, ev_ids, [p.answer for p in task.eval], reward_fn,
-                                  max_new_tokens=cfg.max_new_tokens)
+    ev = greedy_eval(model, tok, ev_ids, [p.answer for p in task.eval], eval_rewards(cfg),
+                     max_new_tokens=cfg.max_new_tokens)
     out_dir.mkdir(parents=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     tail = torch.stack(losses[-20:]).mean().item() if losses else float("nan")
     return {"key": sft_key(cfg), "settings": {k: getattr(cfg, k) for k in _KEY_FIELDS},
             "num_params": num_params(model), "vocab_size": len(tok), "final_loss": tail,
-            "eval_greedy_accuracy": acc, "eval_mean_length": length, "eval_size": len(task.eval),
+            "eval_greedy_accuracy": ev["accuracy"], "eval_greedy_last_number_accuracy": ev.get("last_number_accuracy"),
+            "eval_mean_length": ev["length"], "eval_size": len(task.eval),
             "wall_s": time.time() - t0, "threads": cfg.threads}

@@ -77,7 +77,25 @@ def answer_format_reward(response: str, answer: str) -> float:
     return r if r > 0 else (0.2 if extract_answer(response) is not None else 0.0)
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"answer": answer_reward, "answer+format": answer_format_reward}
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number_reward(response: str, answer: str) -> float:
+    """1.0 iff the last number in the response equals ``answer``, whatever the wording.
+
+    A format-blind diagnostic: with ``answer`` it separates getting the number right
+    from writing it in the verifiable ``answer: N`` form."""
+    nums = _NUMBER.findall(response)
+    if not nums:
+        return 0.0
+    try:
+        return 1.0 if float(nums[-1]) == float(answer) else 0.0
+    except ValueError:
+        return 0.0
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {
+    "answer": answer_reward, "answer+format": answer_format_reward, "last-number": last_number_reward}
 
 
 def get_reward(spec: str) -> Callable[[str, str], float]:
@@ -215,3 +233,12 @@ def build_task(cfg) -> Task:
             raise ValueError("train_file: required when task=jsonl")
         return jsonl_task(cfg.train_file, cfg.eval_file, seed=cfg.task_seed, eval_size=cfg.eval_size)
     raise ValueError(f"task: unknown value {cfg.task!r}; valid values are: arithmetic, jsonl")
+
+
+def eval_rewards(cfg) -> dict[str, Callable[[str, str], float]]:
+    """Scorers of held-out greedy generations: ``accuracy`` (the training reward) and, for
+    the arithmetic task, the format-blind ``last_number_accuracy``."""
+    out = {"accuracy": get_reward(cfg.reward)}
+    if cfg.task == "arithmetic":
+        out["last_number_accuracy"] = last_number_reward
+    return out
