@@ -66,7 +66,7 @@ def reduce_rows(
     def put(name, val):
         out.setdefault(name, []).append(val)
 
-    for s in range(0, N, step):
+    for s in range(0, max(N, 1), step):  # at least once, so that N = 0 gives empty outputs
         e = min(s + step, N)
         z = logits[s:e].to(cdt) / temperature  # (c, V): the only float copy, chunk-sized
         lse = torch.logsumexp(z, -1)  # (c,)

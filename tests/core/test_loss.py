@@ -198,3 +198,16 @@ def test_pi_k_underflow_in_bf16_stays_finite():
         assert torch.isfinite(logits.grad).all(), mode
         assert all(torch.isfinite(v).all() for v in out.metrics.values()), mode
         logits.grad = None
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_empty_batch_gives_empty_statistics_and_zero_loss(impl):
+    z = torch.randn(0, 5, 10, requires_grad=True)
+    ids = torch.zeros(0, 5, dtype=torch.long)
+    lp = torch.full((0, 5), -1.0)
+    st = pdmask.token_stats(z, ids, lp, ids[..., None], lp[..., None], impl=impl)
+    assert st["topk_kl"].shape == (0, 5) and st["ddot_topk_kl_exact"].shape == (0, 5)
+    out = pdmask.policy_loss(z, ids, lp, ids[..., None], lp[..., None], torch.zeros(0), torch.zeros(0, 5),
+                             impl=impl)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and z.grad.shape == z.shape
