@@ -106,6 +106,11 @@ def token_loss(
     Returns ``(loss_t, keep_eff)``; masked tokens contribute exactly 0 with gradient 0.
     """
     adv = advantages.to(logp.dtype)
+    # A sampled token the trainer gives probability exactly 0 (a -inf logit): its value is
+    # floored so that 0 * inf cannot appear; its gradient is 0 (the logit cannot move).
+    floor = math.log(torch.finfo(logp.dtype).tiny)
+    logp = torch.where(torch.isneginf(logp), torch.full_like(logp, floor), logp)
+    log_ratio = torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio)
     if surrogate == "dppo":
         max_log_w = min(math.log(is_cap), _MAX_LOG_W) if math.isfinite(is_cap) else _MAX_LOG_W
         w = log_ratio.detach().clamp(max=max_log_w).exp()  # min(r, C), detached
@@ -186,7 +191,7 @@ def _broadcast_adv(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
 
 def _common(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
             advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
-            eps_high, temperature, rollout_logits, chunk_size, validate):
+            eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto"):
     mode_obj: MaskMode = get_mode(mode)
     check_positive("temperature", temperature)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
@@ -197,8 +202,8 @@ def _common(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk
     if validate and bool(torch.isnan(adv[batch.valid]).any()):
         raise ValueError("advantages: contains NaN on response tokens")
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
-    stats = stats_from_batch(batch, temperature=temperature,
-                             chunk_rows=chunk_rows_for(batch.vocab_size, chunk_size))
+    chunk_rows_for(batch.vocab_size, chunk_size)  # validates chunk_size
+    stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl)
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return mode_obj, th, batch, adv, stats, res
 
@@ -209,6 +214,7 @@ def trust_region_mask(
     delta_low: float | None = None, delta_high: float | None = None,
     eps_low: float = 0.2, eps_high: float = 0.2, temperature: float = 1.0,
     rollout_logits=None, chunk_size: int | None = None, validate: bool = True,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """The keep mask ``M`` (B, T) bool of a mode: False iff out of region and outward.
 
@@ -222,7 +228,7 @@ def trust_region_mask(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate)
+        chunk_size=chunk_size, validate=validate, impl=impl)
     return (res.keep | ~batch.valid).reshape(batch.lead_shape)
 
 
@@ -233,7 +239,7 @@ def policy_loss(
     eps_low: float = 0.2, eps_high: float = 0.2, is_cap: float = 5.0,
     loss_agg: str = "token-mean", temperature: float = 1.0, rollout_logits=None,
     chunk_size: int | None = None, num_tokens=None, num_seqs=None, loss_scale_factor=None,
-    validate: bool = True,
+    validate: bool = True, impl: str = "auto",
 ) -> PolicyLossOutput:
     """Trust-region policy-gradient loss with a named mask mode.
 
@@ -260,6 +266,9 @@ def policy_loss(
         chunk_size: rows per chunk of the vocabulary reductions.
         num_tokens, num_seqs, loss_scale_factor: global denominators for :func:`aggregate`.
         validate: check inputs (one host sync); turn off on a trusted hot path.
+        impl: row-reduction implementation (:func:`pdmask.ops.row_stats`): ``"auto"``
+            (default: Triton for CUDA logits when installed, else the chunked torch
+            path), ``"torch"``, ``"triton"``, ``"reference"`` (the plain oracle).
 
     Returns:
         :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors).
@@ -270,7 +279,7 @@ def policy_loss(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate)
+        chunk_size=chunk_size, validate=validate, impl=impl)
     per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mode_obj.surrogate,
                                is_cap=is_cap, eps_low=th.eps_low, eps_high=th.eps_high)
     lead = batch.lead_shape

@@ -66,7 +66,7 @@ def reduce_rows(
     def put(name, val):
         out.setdefault(name, []).append(val)
 
-    for s in range(0, N, step):
+    for s in range(0, max(N, 1), step):  # at least once, so that N = 0 gives empty outputs
         e = min(s + step, N)
         z = logits[s:e].to(cdt) / temperature  # (c, V): the only float copy, chunk-sized
         lse = torch.logsumexp(z, -1)  # (c,)
@@ -132,12 +132,47 @@ def sampled_logprob(logits, sampled_ids, lse, temperature, chunk_rows) -> torch.
     return SampledLogprob.apply(logits, sampled_ids, lse, temperature, chunk_rows)
 
 
-def stats_from_batch(batch: Batch, *, temperature: float, chunk_rows: int) -> dict[str, torch.Tensor]:
-    """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient."""
-    red = reduce_rows(
-        batch.logits, batch.sampled_ids, batch.topk_ids,
-        temperature=temperature, rollout_logits=batch.rollout_logits, chunk_rows=chunk_rows,
-    )
+#: Keys only the reference path computes (they need the rollout's full logits).
+FULL_KEYS = ("full_kl", "full_tv", "full_mu_k", "sum_p_mu", "sum_p_s", "sum_p2_s")
+
+
+def _row_reductions(batch: Batch, temperature: float, chunk_rows: int | None, impl: str):
+    """``(red, logp)``: the row reductions (detached) and the differentiable ``log pi_k``.
+
+    ``impl`` picks the :mod:`pdmask.ops` implementation; ``"reference"`` is
+    :func:`reduce_rows` + :class:`SampledLogprob`. The full-vocabulary keys
+    (``rollout_logits`` given: simulation / oracle only) always come from the reference.
+    """
+    from . import ops  # lazy: pdmask.ops imports this module
+
+    rows = chunk_rows_for(batch.vocab_size, chunk_rows)
+    if ops.resolve_impl(impl, batch.logits) == "reference":
+        red = reduce_rows(
+            batch.logits, batch.sampled_ids, batch.topk_ids,
+            temperature=temperature, rollout_logits=batch.rollout_logits, chunk_rows=rows,
+        )
+        return red, sampled_logprob(batch.logits, batch.sampled_ids, red["lse"], temperature, rows)
+    red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=temperature,
+                        chunk_rows=chunk_rows, impl=impl, validate=False)
+    logp = red["logp"]
+    red["logp"] = logp.detach()
+    if batch.rollout_logits is not None:
+        full = reduce_rows(batch.logits, batch.sampled_ids, None, temperature=temperature,
+                           rollout_logits=batch.rollout_logits, chunk_rows=rows)
+        red.update({k: full[k] for k in FULL_KEYS})
+    return red, logp
+
+
+def stats_from_batch(
+    batch: Batch, *, temperature: float, chunk_rows: int | None = None, impl: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient.
+
+    ``chunk_rows`` (None: each implementation's default) and ``impl`` (see
+    :func:`pdmask.ops.row_stats`; ``"auto"`` never needs Triton on CPU) are passed to
+    :mod:`pdmask.ops`.
+    """
+    red, logp = _row_reductions(batch, temperature, chunk_rows, impl)
     lse = red["lse"]
     if not torch.isfinite(lse[batch.valid]).all():
         raise ValueError("logits: a response row has no finite logit (all -inf, or NaN/inf values)")
@@ -146,7 +181,7 @@ def stats_from_batch(batch: Batch, *, temperature: float, chunk_rows: int) -> di
     sum_p2 = red["sum_p2"]
     log_ratio = dirs.ratio_direction(logp_d, rlp)
     st = {
-        "logp": sampled_logprob(batch.logits, batch.sampled_ids, lse, temperature, chunk_rows),
+        "logp": logp,
         "rollout_logp": rlp,
         "log_ratio": log_ratio,
         "ratio": log_ratio.clamp(max=80.0).exp(),
@@ -200,6 +235,7 @@ def token_stats(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     validate: bool = True,
+    impl: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """Every per-token statistic of the library, shaped like ``sampled_ids``.
 
@@ -213,8 +249,11 @@ def token_stats(
         response_mask: (B, T) positions to check (others are padding, sanitised).
         rollout_logits: (B, T, V) the rollout policy's full logits, same temperature
             (simulation / oracle path; adds the ``full_*`` keys).
-        chunk_size: rows per chunk of the vocabulary reductions (default: 16 M
-            elements per chunk).
+        chunk_size: rows per chunk of the vocabulary reductions (default: a cache-sized
+            chunk for ``impl="torch"``, 16 M elements for ``"reference"``).
+        impl: row-reduction implementation (:func:`pdmask.ops.row_stats`): ``"auto"``
+            (Triton for CUDA logits when installed, else the chunked torch path; never
+            needs Triton on CPU), ``"torch"``, ``"triton"``, ``"reference"``.
 
     Returns a dict (``ratio = exp(log_ratio)``, ``log_ratio = log pi_k - log mu_k``):
       ``logp`` (differentiable log pi_k), ``rollout_logp``, ``log_ratio``, ``ratio``,
@@ -229,6 +268,6 @@ def token_stats(
     check_positive("temperature", temperature)
     batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
                     response_mask, rollout_logits, validate)
-    st = stats_from_batch(batch, temperature=temperature,
-                          chunk_rows=chunk_rows_for(batch.vocab_size, chunk_size))
+    chunk_rows_for(batch.vocab_size, chunk_size)  # validates chunk_size
+    st = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl)
     return unflatten(st, batch.lead_shape)

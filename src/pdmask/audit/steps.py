@@ -1,0 +1,193 @@
+"""The updates whose realized divergence change the audit measures.
+
+Three kinds of step, each followed by recomputing the proximity divergence with the
+*same* rollout view of mu (METHOD.md section 5):
+
+- :func:`batch_step`: one optimizer step of the configured loss on the whole batch,
+  as training does (cross-token interference, optimizer preconditioning).
+- :func:`isolated_param_changes`: for chosen tokens, a small step in parameter space
+  along the gradient of that token's loss alone, ``-w A log pi_k`` (normalised to a
+  fixed length, so every token's step is equally "small"); weights restored after each.
+  This is the first-order claim as seen through the network (its Jacobian couples
+  tokens), in float64 by default so rounding cannot flip a sign.
+- :func:`logit_step_changes`: the step ``z -> z + eta sign(A) (e_k - pi) / |e_k - pi|``
+  directly on one position's logits, which is the literal first-order claim (the
+  unembedding gradient moves the logits exactly along ``e_k - pi``).
+
+The model is passed with a ``forward(model, sequences, attention_mask, prompt_len)``
+callable returning the (B, T, V) logits at the response positions, so any policy
+(a transformers causal LM, a softmax bandit) can be audited. Every function leaves
+the model's weights exactly as it found them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+
+from ..loss import PolicyLossOutput, policy_loss
+from ..stats import token_stats
+from .config import AuditConfig
+
+Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model: has no parameter with requires_grad=True; nothing to step")
+    return params
+
+
+def make_optimizer(params, cfg: AuditConfig) -> torch.optim.Optimizer:
+    """A fresh optimizer (no state), as at the first step of training."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: float) -> dict:
+    """:func:`pdmask.token_stats` of ``logits`` against the batch's rollout view (top-K + full logits)."""
+    return token_stats(
+        logits, rb.response_ids[rows], rb.sampled_logprob[rows], rb.topk_ids[rows], rb.topk_logprobs[rows],
+        response_mask=rb.response_mask[rows], rollout_logits=rb.logits[rows], temperature=temperature,
+    )
+
+
+def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
+               cfg: AuditConfig, *, optimizer_state: dict | None = None
+               ) -> tuple[torch.Tensor, PolicyLossOutput, torch.Tensor]:
+    """One optimizer step of ``policy_loss(mode=cfg.step_mode)`` on the whole batch.
+
+    The optimizer is fresh (as at the first step of training) unless ``optimizer_state``
+    (an ``optimizer.state_dict()`` of the same optimizer class over the same trainable
+    parameters, e.g. from a training checkpoint) is given; it is copied, never changed.
+    Gradients are clipped to ``cfg.grad_clip`` (global norm; 0: off) as the trainer does.
+
+    Returns ``(logits_before, loss output (at theta), logits_after)``, both logits
+    (B, T, V) detached in the model's dtype. The weights are restored afterwards.
+    """
+    params = trainable(model)
+    saved = [p.detach().clone() for p in params]
+    opt = make_optimizer(params, cfg)
+    if optimizer_state is not None:
+        if cfg.optimizer == "sgd":
+            raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
+        opt.load_state_dict(copy.deepcopy(optimizer_state))
+        for g in opt.param_groups:  # the state's moments, this audit's hyperparameters
+            g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    try:
+        logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
+        out = policy_loss(
+            logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
+            rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
+            delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
+            loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
+        )
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        with torch.no_grad():
+            after = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+                p.grad = None
+    return logits.detach(), out, after.detach()
+
+
+def _is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
+    cap = math.log(is_cap) if math.isfinite(is_cap) else 50.0
+    return log_ratio.detach().clamp(max=cap).exp()
+
+
+def step_params(model: torch.nn.Module, which: str) -> list[torch.Tensor]:
+    """Parameters an isolated step moves: ``all`` trainable ones, or the ``head`` (output embedding)."""
+    if which == "all":
+        return trainable(model)
+    if which == "head":
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            raise ValueError("isolated_params: 'head' needs a model with get_output_embeddings() (a transformers LM)")
+        return [p for p in head.parameters() if p.requires_grad]
+    raise ValueError(f"isolated_params: unknown value {which!r}; valid values are: all, head")
+
+
+def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
+                           tokens: torch.Tensor, cfg: AuditConfig, *, params: str = "all") -> torch.Tensor:
+    """Realized ``dD`` (n,) of an isolated parameter step on each token in ``tokens`` (n, 2) = (b, t).
+
+    For token (b, t): ``g = grad_theta (-w A log pi_k)`` on sequence b alone,
+    ``theta' = theta - eta g / |g|`` with ``eta = cfg.isolated_step``, then
+    ``dD = D_t(theta') - D_t(theta)``; theta restored. ``params`` chooses theta (see
+    :func:`step_params`). The model is copied to ``cfg.isolated_dtype`` first (the
+    caller's model is never touched). A token whose gradient is exactly zero gets ``dD = 0``.
+    """
+    dD = torch.zeros(tokens.shape[0], dtype=torch.float64)
+    if tokens.shape[0] == 0:
+        return dD
+    dtype = getattr(torch, cfg.isolated_dtype)
+    m = copy.deepcopy(model).to(dtype)
+    params = step_params(m, params)
+    saved = [p.detach().clone() for p in params]
+    div, T = cfg.divergence, cfg.temperature
+    for b in tokens[:, 0].unique().tolist():
+        rows = slice(b, b + 1)
+        which = (tokens[:, 0] == b).nonzero().squeeze(1).tolist()
+        seq, am = rb.sequences[rows], rb.attention_mask[rows]
+        for i in which:
+            # A fresh forward per token: the in-place step + restore below would
+            # invalidate a graph shared between tokens (and keeping n gradients instead
+            # would cost n copies of the model).
+            st = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, temperature=T)  # (1, T) each
+            t = int(tokens[i, 1])
+            a = advantages[b, t].to(dtype)
+            loss = -_is_weight(st["log_ratio"][0, t], cfg.is_cap) * a * st["logp"][0, t]
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            gnorm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+            if gnorm == 0:
+                continue
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p.sub_((cfg.isolated_step / gnorm).to(dtype) * g)
+                d1 = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, temperature=T)[div][0, t]
+                dD[i] = (d1.double() - st[div][0, t].detach().double())
+                for p, s in zip(params, saved):
+                    p.copy_(s)
+    return dD
+
+
+@torch.no_grad()
+def logit_step_changes(logits: torch.Tensor, sampled_ids: torch.Tensor, rollout_logprob: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, rollout_logits: torch.Tensor,
+                       advantages: torch.Tensor, *, divergence: str, step: float,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """Realized ``dD`` (N,) of the step ``z -> z + eta sign(A) (e_k - pi) / |e_k - pi|`` per row, in float64.
+
+    ``z = logits / T``; rows are independent positions (N, V). To first order
+    ``dD = eta sign(A) Ddot / |e_k - pi|``, so its sign is the predictive direction.
+    """
+    f64 = torch.float64
+    if logits.shape[0] == 0:  # no token to step (token_stats needs at least one row)
+        return torch.zeros(0, dtype=f64)
+    z = logits.to(f64) / temperature  # (N, V)
+    pi = torch.softmax(z, -1)
+    u = -pi
+    u.scatter_add_(1, sampled_ids[:, None].long(), torch.ones_like(u[:, :1]))
+    u = u / u.norm(dim=-1, keepdim=True).clamp(min=torch.finfo(f64).tiny)
+    z2 = z + step * torch.sign(advantages.to(f64))[:, None] * u
+    mu_z = rollout_logits.to(f64) / temperature
+
+    def D(zz):
+        return token_stats(zz, sampled_ids, rollout_logprob.to(f64), topk_ids, topk_logprobs.to(f64),
+                           rollout_logits=mu_z)[divergence]
+
+    return D(z2) - D(z)

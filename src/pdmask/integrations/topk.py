@@ -1,0 +1,207 @@
+"""Padded top-K tensors from a rollout engine's per-token log-prob entries.
+
+Every engine format (vLLM dicts, vLLM ``FlatLogprobs``, TRL's rank-sorted lists, SGLang
+``meta_info``) is first flattened to one list of *entries* ``(position, token id,
+log-prob, rank)``; :func:`assemble` then turns the entries into the tensors the core
+library takes. Keeping a single assembler means the one rule that matters is written
+once:
+
+    The engine reports, at each position, the top-K tokens of its sampling distribution
+    **plus the sampled token** (K entries when the sampled token is in the top-K, K + 1
+    when it is not). The sampled token is identified by its *id* (the completion's
+    token ids), never by its place in the list: rank 1 is the most likely token, not
+    the sampled one.
+
+Rules of :func:`assemble`, per position:
+
+1. Entries with the same id are merged, keeping the smallest rank (vLLM's
+   ``FlatLogprobs`` stores the sampled token twice when it is in the top-K: once
+   first with its own rank, once at its top-K place).
+2. The sampled token's log-prob is read from its own entry; a position without one is
+   an error (the engine always reports it, so its absence means misaligned inputs).
+3. The entries are ordered by rank (or, where a rank is missing, by descending log-prob
+   with the sampled token last among equals) and the first ``k`` form the top-K. A
+   sampled token outside the top-K has rank > K (vLLM's rank counts the tokens with a
+   log-prob >= its own), so it is the one dropped when K + 1 entries are present. It is
+   not lost: the core library's top-K support is ``S' = top-K ∪ {sampled}``.
+4. Fewer than ``k`` distinct entries is an error, never padded with invented ids:
+   claiming ``mu_i = 0`` for a token the engine did not report would change the top-K
+   divergence (it moves pi_i out of the tail bucket).
+
+``-inf`` log-probs are kept: with ``processed_logprobs`` and top-k/top-p sampling the
+tokens the engine truncated really have ``mu_i = 0`` (see ``docs/engine_formats.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+#: Engine log-probs above this are not log-probs (raw logits, or a wrong mode).
+LOGPROB_TOL = 1e-3
+#: Stand-in for an unknown rank: sorts after every real rank.
+_NO_RANK = 1 << 62
+
+
+@dataclass
+class RolloutTopK:
+    """The rollout engine's view of mu, padded to a rectangle.
+
+    Pass straight to :func:`pdmask.policy_loss`::
+
+        policy_loss(logits, r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs,
+                    advantages, r.response_mask, temperature=T)
+
+    Padding positions (``response_mask`` False) hold ``pad_id`` / log-prob 0 / top-K ids
+    ``0..K-1`` with log-prob ``-inf``; the core library ignores them.
+    """
+
+    sampled_ids: torch.Tensor  # (B, T) int64: the tokens the engine sampled
+    sampled_logprob: torch.Tensor  # (B, T) float: log mu of the sampled token
+    topk_ids: torch.Tensor | None  # (B, T, K) int64, ordered by rank; None when k == 0
+    topk_logprobs: torch.Tensor | None  # (B, T, K) float, -inf allowed
+    response_mask: torch.Tensor  # (B, T) bool: real (non-padding) positions
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (B,)
+        return self.response_mask.sum(-1)
+
+    def to(self, device=None, dtype: torch.dtype | None = None) -> "RolloutTopK":
+        """Move to ``device``; ``dtype`` applies to the float tensors only."""
+
+        def mv(t, is_float):
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if (is_float and dtype is not None) else None)
+
+        return replace(self, sampled_ids=mv(self.sampled_ids, False),
+                       sampled_logprob=mv(self.sampled_logprob, True),
+                       topk_ids=mv(self.topk_ids, False), topk_logprobs=mv(self.topk_logprobs, True),
+                       response_mask=mv(self.response_mask, False))
+
+
+def check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: must be a non-negative int (the number of top log-probs per token), got {k!r}")
+    return k
+
+
+def _where(seq_index: torch.Tensor, tok_index: torch.Tensor, n: int) -> str:
+    return f"sequence {int(seq_index[n])}, token {int(tok_index[n])}"
+
+
+def assemble(
+    pos: torch.Tensor,  # (E,) int64: flat position of each entry, in [0, N)
+    ids: torch.Tensor,  # (E,) int64
+    logprobs: torch.Tensor,  # (E,) float64
+    ranks: torch.Tensor,  # (E,) int64, -1 where unknown
+    sampled_ids: list[list[int]],  # B lists, one id per position
+    *,
+    k: int,
+    arg: str,
+    pad_to: int | None = None,
+    pad_id: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> RolloutTopK:
+    """Build :class:`RolloutTopK` from flattened entries (see the module docstring).
+
+    ``arg`` names the user-facing argument the entries came from, for error messages.
+    Positions are numbered sequence by sequence: sequence b's token t is
+    ``sum(len(s) for s in sampled_ids[:b]) + t``.
+    """
+    k = check_k(k)
+    lens = [len(s) for s in sampled_ids]
+    B = len(lens)
+    T = max(lens, default=0)
+    if pad_to is not None:
+        if not isinstance(pad_to, int) or pad_to < T:
+            raise ValueError(f"pad_to: must be an int >= the longest response ({T}), got {pad_to!r}")
+        T = pad_to
+    N = sum(lens)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    seq_of = torch.repeat_interleave(torch.arange(B), lens_t)  # (N,)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    tok_of = torch.arange(N) - starts[seq_of] if N else torch.zeros(0, dtype=torch.int64)
+    flat_sampled = torch.tensor([t for s in sampled_ids for t in s], dtype=torch.int64)
+
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= N):
+        raise ValueError(f"{arg}: entries refer to positions outside the responses")
+    nan = torch.isnan(logprobs)
+    if bool(nan.any()):
+        n = int(pos[nan.nonzero()[0, 0]])
+        raise ValueError(f"{arg}: NaN log-prob at {_where(seq_of, tok_of, n)}")
+    bad = logprobs > LOGPROB_TOL
+    if bool(bad.any()):
+        n = int(pos[bad.nonzero()[0, 0]])
+        raise ValueError(
+            f"{arg}: positive log-prob {float(logprobs[bad][0]):.4g} at {_where(seq_of, tok_of, n)}; "
+            "these look like logits, not log-probs (vLLM logprobs_mode='raw_logits'/'processed_logits'?)")
+    if bool((ids < 0).any()):
+        raise ValueError(f"{arg}: negative token id")
+
+    # 1. merge duplicate (position, id) entries, keeping the smallest rank
+    rank_key = torch.where(ranks > 0, ranks, torch.full_like(ranks, _NO_RANK))
+    o = torch.sort(rank_key, stable=True).indices
+    span = int(ids.max()) + 1 if ids.numel() else 1
+    key = pos[o] * span + ids[o]
+    o = o[torch.sort(key, stable=True).indices]
+    key = pos[o] * span + ids[o]
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    o = o[first]
+    pos, ids, logprobs, ranks, rank_key = pos[o], ids[o], logprobs[o], ranks[o], rank_key[o]
+
+    # 2. the sampled token's log-prob, by id
+    is_s = ids == flat_sampled[pos]
+    n_s = torch.zeros(N, dtype=torch.int64).index_add_(0, pos, is_s.long())
+    if N and bool((n_s == 0).any()):
+        n = int((n_s == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"{arg}: no entry for the sampled token id {int(flat_sampled[n])} at {_where(seq_of, tok_of, n)} "
+            "(the engine always reports the sampled token; are the log-probs aligned with the completion ids?)")
+    s_lp = torch.zeros(N, dtype=torch.float64).index_put_((pos[is_s],), logprobs[is_s])
+    if N and bool(torch.isinf(s_lp).any()):
+        n = int(torch.isinf(s_lp).nonzero()[0, 0])
+        raise ValueError(f"{arg}: the sampled token has log-prob -inf at {_where(seq_of, tok_of, n)} "
+                         "(a sampled token has mu > 0; misaligned inputs?)")
+
+    topk_ids = topk_lp = None
+    if k > 0:
+        # 3. order within each position, take the first k
+        unknown = torch.zeros(N, dtype=torch.bool).index_put_((pos[ranks <= 0],), torch.tensor(True))
+        by_lp = unknown[pos]
+        prim = torch.where(by_lp, torch.zeros_like(rank_key), rank_key)
+        sec = torch.where(by_lp, -logprobs, torch.zeros_like(logprobs))
+        o = torch.sort(is_s.long(), stable=True).indices
+        o = o[torch.sort(sec[o], stable=True).indices]
+        o = o[torch.sort(prim[o], stable=True).indices]
+        o = o[torch.sort(pos[o], stable=True).indices]
+        p_o = pos[o]
+        count = torch.zeros(N, dtype=torch.int64).index_add_(0, p_o, torch.ones_like(p_o))
+        if N and bool((count < k).any()):
+            n = int((count < k).nonzero()[0, 0])
+            raise ValueError(
+                f"{arg}: only {int(count[n])} distinct entries at {_where(seq_of, tok_of, n)}, fewer than k={k}; "
+                "k must not exceed the number of log-probs the engine was asked for (SamplingParams.logprobs)")
+        first_of = torch.cumsum(count, 0) - count
+        slot = torch.arange(p_o.numel()) - first_of[p_o]
+        take = slot < k
+        flat_ids = torch.empty(N, k, dtype=torch.int64)
+        flat_lp = torch.empty(N, k, dtype=torch.float64)
+        flat_ids[p_o[take], slot[take]] = ids[o][take]
+        flat_lp[p_o[take], slot[take]] = logprobs[o][take]
+        topk_ids = torch.arange(k, dtype=torch.int64).repeat(B, T, 1)
+        topk_lp = torch.full((B, T, k), float("-inf"), dtype=dtype)
+        topk_ids[seq_of, tok_of] = flat_ids
+        topk_lp[seq_of, tok_of] = flat_lp.to(dtype)
+
+    s_ids = torch.full((B, T), pad_id, dtype=torch.int64)
+    s_ids[seq_of, tok_of] = flat_sampled
+    s_lp_bt = torch.zeros((B, T), dtype=dtype)
+    s_lp_bt[seq_of, tok_of] = s_lp.to(dtype)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    mask[seq_of, tok_of] = True
+    out = RolloutTopK(s_ids, s_lp_bt, topk_ids, topk_lp, mask)
+    return out.to(device) if device is not None else out

@@ -1,0 +1,121 @@
+"""``GRPOConfig`` with the trust-region mask's settings."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig as _TRLGRPOConfig
+
+from ... import MODES
+from ..._validate import ESTIMATORS
+
+#: TRL ``loss_type`` -> how :func:`pdmask.policy_loss` aggregates (see the trainer).
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+
+
+@dataclass
+class PDMaskGRPOConfig(_TRLGRPOConfig):
+    """TRL's ``GRPOConfig`` plus the mask settings (all prefixed by what they configure).
+
+    The policy loss is :func:`pdmask.policy_loss` (METHOD.md section 2), anchored to the
+    rollout policy mu reported by the generator -- not to a recomputed "old" policy::
+
+        loss_t = - M_t * sg(min(pi_k / mu_k, is_cap)) * A_t * log pi_k          (dppo-*, pdm-*)
+        loss_t = max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high)), r = pi_k / mu_k   (grpo)
+
+    TRL fields that keep their meaning: ``temperature`` (pi = softmax(logits / T), the
+    same T the generator samples at), ``top_k`` / ``top_p`` / ``min_p`` (the captured mu
+    is the truncated, renormalised distribution), ``epsilon`` / ``epsilon_high`` (the
+    ``grpo`` mode's clip), ``loss_type`` (aggregation: ``dapo`` = token mean over the
+    global accumulated batch, ``bnpo`` = local token mean, ``grpo`` = per-sequence mean,
+    ``dr_grpo`` = sum / (B * max_completion_length)).
+
+    Not supported together with the mask (``ValueError``): ``beta != 0``, the entropy
+    bonus, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the
+    ``cispo`` / ``sapo`` / ``vespo`` / ``luspo`` losses, Liger, transformers continuous
+    batching / paged generation. ``vllm_importance_sampling_correction`` is forced to
+    False: the mask's IS weight ``min(pi/mu, is_cap)`` already corrects for mu, and TRL's
+    correction would cost an extra forward per batch.
+    """
+
+    mask_mode: str = field(
+        default="pdm-topk-kl",
+        metadata={"help": "Trust-region mask mode (pdmask.MODES): grpo, none, dppo-binary-tv, dppo-binary-kl, "
+                          "dppo-topk-kl, dppo-topk-tv, pdm-topk-kl, pdm-topk-tv. The *-full-* modes need the "
+                          "generator's full logits and are not available here."})
+    mask_estimator: str = field(
+        default="exact",
+        metadata={"help": "Top-K tail estimator of the predictive direction: exact, aggregated (the paper), "
+                          "uniform, truncated."})
+    mask_delta_low: float | None = field(
+        default=None,
+        metadata={"help": "Divergence threshold for tokens with negative advantage (default: the mode's, 0.05 "
+                          "for KL, 0.15 for TV)."})
+    mask_delta_high: float | None = field(
+        default=None,
+        metadata={"help": "Divergence threshold for tokens with positive advantage (default: the mode's)."})
+    rollout_top_k: int = field(
+        default=20,
+        metadata={"help": "K: top log-probs captured per generated token (vLLM logprobs=K; a vLLM server must "
+                          "allow it with --max-logprobs >= K). 0 captures only the sampled token's log-prob "
+                          "(enough for grpo, none, dppo-binary-*)."})
+    is_cap: float = field(
+        default=5.0,
+        metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes); the dual-clip constant in grpo "
+                          "mode. inf disables it."})
+    mask_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per chunk of the vocabulary reductions (default: 16M elements per chunk)."})
+    mask_validate: bool = field(
+        default=True,
+        metadata={"help": "Check the loss inputs (one host sync per micro-batch)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mask_mode not in MODES:
+            raise ValueError(f"mask_mode: unknown value {self.mask_mode!r}; valid values are: {', '.join(MODES)}")
+        mode = MODES[self.mask_mode]
+        if "full" in mode.needs:
+            raise ValueError(f"mask_mode: {self.mask_mode!r} needs the generator's full logits, which neither vLLM "
+                             "nor generate() report; use a *-topk-* mode")
+        if "topk" in mode.needs and (not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 1):
+            raise ValueError(f"rollout_top_k: mode {self.mask_mode!r} needs K >= 1, got {self.rollout_top_k!r}")
+        if isinstance(self.rollout_top_k, bool) or not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 0:
+            raise ValueError(f"rollout_top_k: must be a non-negative int, got {self.rollout_top_k!r}")
+        if self.mask_estimator not in ESTIMATORS:
+            raise ValueError(f"mask_estimator: unknown value {self.mask_estimator!r}; valid values are: "
+                             f"{', '.join(ESTIMATORS)}")
+        for name in ("mask_delta_low", "mask_delta_high"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or not v > 0 or math.isinf(v)):
+                raise ValueError(f"{name}: must be a positive finite number or None, got {v!r}")
+        if not isinstance(self.is_cap, (int, float)) or not self.is_cap > 0:
+            raise ValueError(f"is_cap: must be a positive number (inf disables), got {self.is_cap!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: {self.loss_type!r} is not supported with a trust-region mask; valid values "
+                             f"are: {', '.join(LOSS_TYPES)}")
+        bad = [
+            ("beta", self.beta != 0.0, "the KL-to-reference term is not supported; set beta=0.0"),
+            ("entropy_coef", self.entropy_coef != 0.0 or self.use_adaptive_entropy,
+             "the entropy bonus is not supported; set entropy_coef=0.0, use_adaptive_entropy=False"),
+            ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None,
+             "TRL's off-policy sequence mask is replaced by the trust-region mask; leave it None"),
+            ("top_entropy_quantile", self.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask"),
+            ("use_liger_kernel", bool(getattr(self, "use_liger_kernel", False)), "Liger's fused loss is not used"),
+            ("use_transformers_continuous_batching",
+             bool(self.use_transformers_continuous_batching) or bool(self.use_transformers_paged),
+             "continuous batching reports no per-step scores; use generate() or vLLM"),
+        ]
+        for name, is_bad, why in bad:
+            if is_bad:
+                raise ValueError(f"{name}: {why}")
+        if self.top_p < 1.0 or (self.top_k or 0) > 0 or self.min_p is not None:
+            warnings.warn(
+                "top_p / top_k / min_p truncation: mu (the truncated, renormalised sampling distribution) differs "
+                "from pi = softmax(logits / T) even with identical weights, so ratios and divergences include the "
+                "truncation gap and masks fire on-policy. RL recipes sample with top_p=1, top_k=0.",
+                UserWarning, stacklevel=3)
+        # The mask's IS weight corrects for mu; TRL's own correction would need an extra forward.
+        self.vllm_importance_sampling_correction = False

@@ -1,0 +1,206 @@
+"""``GRPOTrainer`` whose policy loss is :func:`pdmask.policy_loss` with a trust-region mask.
+
+Three private TRL 1.16 methods are overridden, each as thinly as possible:
+
+- ``_generate_single_turn``: capture mu. On the vLLM path, ask vLLM for ``logprobs=K``
+  and convert TRL's rank-sorted lists with
+  :func:`pdmask.integrations.vllm.from_ranked_lists` -- which picks the *sampled*
+  token's log-prob by id (TRL keeps ``lp[0]``, the rank-1 token's). On the
+  ``transformers`` path, attach a :class:`TopKRecorder` to ``generate``. The base
+  method still does the generating; the captured tensors wait in ``self._pdmask_rollout``.
+- ``_generate_and_score_completions``: add ``rollout_logprobs`` (B, T) and
+  ``rollout_topk_ids`` / ``rollout_topk_logprobs`` (B, T, K) to the batch dict; TRL's
+  ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice every tensor along
+  dim 0, so they stay aligned with the completions through shuffling and micro-batching.
+- ``_compute_loss``: a forward that returns logits, then :func:`pdmask.policy_loss`,
+  aggregated as TRL's ``loss_type`` would, and its metrics logged under ``pdmask/``.
+
+Why a logits forward: TRL 1.16 scores completions with a fused LM head
+(``add_fused_lm_head``) that returns ``log pi_k`` and the entropy without ever building
+the (B, T, V) logits. The predictive mask also needs ``pi`` at the rollout's top-K ids
+and ``sum_i pi_i^2``, which that head does not produce, so the loss calls the model's
+ordinary forward (``fused_lm_head`` off, ``logits_to_keep = T + 1``). The cost is TRL's
+pre-1.x memory profile: one (B, T, V) logits tensor per micro-batch in the model's
+dtype; the core library's reductions and backward are chunked and never add a float32
+(B, T, V) copy. A fused-from-hidden-states op (``pdmask.ops``) would remove it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from trl import GRPOTrainer as _TRLGRPOTrainer
+
+from ... import policy_loss
+from ..topk import RolloutTopK
+from ..vllm import check_sampling_semantics, from_ranked_lists
+from .capture import TopKRecorder
+from .config import PDMaskGRPOConfig
+
+_COUNT_METRICS = ("num_out_of_region", "num_disagreement", "num_tokens")
+
+
+def _pad_time(t: torch.Tensor | None, T: int, fill) -> torch.Tensor | None:
+    """Cut or pad dim 1 to length T."""
+    if t is None:
+        return None
+    if t.shape[1] >= T:
+        return t[:, :T]
+    pad = t.new_full((t.shape[0], T - t.shape[1]) + tuple(t.shape[2:]), fill)
+    return torch.cat([t, pad], 1)
+
+
+class PDMaskGRPOTrainer(_TRLGRPOTrainer):
+    """TRL's ``GRPOTrainer`` with a trust-region-masked policy loss (see the module docstring).
+
+    Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
+    :class:`PDMaskGRPOConfig`. Multi-turn tool calling, environments and custom
+    ``rollout_func`` are not supported (they generate outside the captured path).
+    """
+
+    def __init__(self, *args_, **kwargs):
+        a = kwargs.get("args", args_[2] if len(args_) > 2 else None)
+        if not isinstance(a, PDMaskGRPOConfig):
+            raise ValueError("args: pass a pdmask.integrations.trl.GRPOConfig (PDMaskGRPOConfig), got "
+                             f"{type(a).__name__}")
+        for name in ("tools", "environment_factory", "rollout_func"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
+        self._pdmask_rollout: RolloutTopK | None = None
+        super().__init__(*args_, **kwargs)
+        if self.use_vllm:
+            self.vllm_generation.logprobs = a.rollout_top_k
+            if self.vllm_mode == "server" and self.accelerator.is_main_process:
+                info = self.vllm_generation.vllm_client.get_server_info()
+                check_sampling_semantics(
+                    logprobs_mode=info["model_config"]["logprobs_mode"], temperature=self.temperature,
+                    top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty)
+
+    # ------------------------------------------------------------ capture
+    @contextmanager
+    def _recording(self):
+        """Attach a TopKRecorder to the unwrapped model's ``generate`` for one call."""
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        rec = TopKRecorder(self.args.rollout_top_k, self.generation_config)
+        orig = model.generate
+
+        def generate(*a, **kw):
+            kw["logits_processor"] = list(kw.get("logits_processor") or []) + [rec]
+            return orig(*a, **kw)
+
+        model.generate = generate  # instance attribute: shadows the method for this call only
+        try:
+            yield rec
+        finally:
+            del model.generate
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        K = self.args.rollout_top_k
+        if self.use_vllm:
+            # TRL's own vLLM branch, keeping the top-K lists it discards
+            if self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            _, completion_ids, lps, lp_ids = self.vllm_generation.generate(
+                prompts=prompt_ids, images=images, num_generations=num_generations)
+            if lps is None:
+                raise RuntimeError("vLLM returned no log-probs; the pdmask trainer needs them")
+            r = from_ranked_lists(lps, lp_ids, completion_ids, k=K)
+        else:
+            with self._recording() as rec:
+                completion_ids, _ = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            r = rec.finish(completion_ids)
+        self._pdmask_rollout = r
+        sampled = [r.sampled_logprob[b, : len(c)].tolist() for b, c in enumerate(completion_ids)]
+        return completion_ids, sampled
+
+    def _generate_and_score_completions(self, inputs):
+        self._pdmask_rollout = None
+        out = super()._generate_and_score_completions(inputs)
+        r = self._pdmask_rollout
+        if r is None:
+            raise RuntimeError("pdmask: no rollout was captured for this batch (custom generation path?)")
+        self._pdmask_rollout = None
+        comp = out["completion_ids"]
+        B, T = comp.shape
+        if r.sampled_ids.shape[0] != B:
+            raise RuntimeError(f"pdmask: captured {r.sampled_ids.shape[0]} rollouts for {B} completions")
+        dev = comp.device
+        ids = _pad_time(r.sampled_ids.to(dev), T, 0)
+        mask = _pad_time(r.response_mask.to(dev), T, False)
+        comp_mask = out["completion_mask"].bool()
+        if bool(((ids != comp) & mask & comp_mask).any()):
+            raise RuntimeError("pdmask: captured sampled ids differ from TRL's completion ids")
+        out["rollout_logprobs"] = _pad_time(r.sampled_logprob.to(dev, torch.float32), T, 0.0)
+        if r.topk_ids is not None:
+            out["rollout_topk_ids"] = _pad_time(r.topk_ids.to(dev), T, 0)
+            out["rollout_topk_logprobs"] = _pad_time(r.topk_logprobs.to(dev, torch.float32), T, float("-inf"))
+        return out
+
+    # ------------------------------------------------------------ loss
+    def _aggregation(self, mode: str, B: int, inputs) -> tuple[dict, float]:
+        """policy_loss aggregation kwargs and the divisor reproducing TRL's ``loss_type``."""
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        lt = self.loss_type
+        if lt == "dapo":
+            n = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                n = n * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return {"loss_agg": "token-mean", "num_tokens": n}, 1.0
+        if lt == "bnpo":
+            return {"loss_agg": "token-mean"}, ga
+        if lt == "grpo":
+            return {"loss_agg": "seq-mean-token-mean", "num_seqs": B}, ga
+        if lt == "dr_grpo":
+            return {"loss_agg": "seq-mean-token-sum-norm", "num_seqs": B,
+                    "loss_scale_factor": self.max_completion_length}, ga
+        raise ValueError(f"loss_type: {lt!r} is not supported by the pdmask trainer")
+
+    def _completion_logits(self, model, inputs) -> torch.Tensor:
+        """(B, T, V) logits predicting the completion tokens (ordinary forward, not the fused head)."""
+        comp = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], comp], 1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        T = comp.shape[1]
+        # Positions count from each row's first real token, as generate() and vLLM count them.
+        # Without them the left padding shifts every position of a short prompt: RoPE is
+        # shift-invariant only up to float rounding (a measurable mismatch, up to 1e-2 in
+        # log-probs on the test model) and absolute position embeddings are simply wrong.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        with self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=T + 1, use_cache=False)
+        return out.logits[:, -(T + 1):-1, :]  # position P-1+t predicts completion token t
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        a = self.args
+        if "pixel_values" in inputs:
+            raise ValueError("inputs: multimodal (pixel_values) batches are not supported by the pdmask trainer")
+        comp = inputs["completion_ids"]
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
+        logits = self._completion_logits(model, inputs)
+        agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
+        res = policy_loss(
+            logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
+            inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask,
+            mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
+            delta_high=a.mask_delta_high, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+            is_cap=a.is_cap, temperature=self.temperature, chunk_size=a.mask_chunk_size,
+            validate=a.mask_validate, **agg)
+        self._log_pdmask_metrics(mode, res.metrics)
+        return res.loss / divisor
+
+    def _log_pdmask_metrics(self, mode: str, metrics: dict) -> None:
+        """One gather for all metrics; counts are summed over processes, the rest averaged."""
+        names = sorted(metrics)
+        local = torch.stack([metrics[n].float() for n in names]).to(self.accelerator.device)
+        allv = self.accelerator.gather(local[None]).reshape(-1, len(names))  # (world, M)
+        summed, mean = allv.sum(0).tolist(), allv.mean(0).tolist()
+        for i, n in enumerate(names):
+            self._metrics[mode][f"pdmask/{n}"].append(summed[i] if n in _COUNT_METRICS else mean[i])

@@ -1,0 +1,259 @@
+"""pdmask trust-region masks as verl policy losses (``actor.policy_loss.loss_mode``).
+
+verl 0.9.1 calls every registered policy loss as (``verl/workers/utils/losses.py:ppo_loss``)::
+
+    pg_loss, pg_metrics = policy_loss_fn(
+        old_log_prob=..., log_prob=..., advantages=..., response_mask=...,
+        loss_agg_mode=config.loss_agg_mode, config=actor_config, rollout_is_weights=...)
+
+with (B, T) padded response tensors: ``log_prob`` differentiable (log pi_theta of the
+sampled tokens at the sampling temperature), ``old_log_prob`` the anchor (see below),
+``response_mask`` bool, ``rollout_is_weights`` None unless
+``algorithm.rollout_correction.rollout_is`` is set. Nothing else reaches the function: no
+logits, no top-K. Hence two kinds of modes:
+
+- **Binary modes** (``pdmask_dppo_binary_tv``, ``pdmask_dppo_binary_kl``) work with stock
+  verl: binary TV/KL of the sampled token need only ``log pi_k`` and the anchor's
+  ``log mu_k``. The anchor is ``old_log_prob`` exactly as verl passes it: the actor's
+  recomputed pre-update log-prob (decoupled mode, verl's default) or the rollout engine's
+  log-prob when ``algorithm.rollout_correction.bypass_mode=true`` copies
+  ``rollout_log_probs`` into ``old_log_probs`` (the DPPO / pdmask anchor).
+- **Top-K modes** (``pdmask_dppo_topk_{kl,tv}``, ``pdmask_pdm_topk_{kl,tv}[_<estimator>]``)
+  need per-token statistics reduced from the logits and the rollout top-K. The pdmask
+  training engine (:mod:`.actor`) computes them in verl's logits-processor hook and
+  hands them to these losses through :func:`rollout_stats`; their anchor is the rollout
+  engine's own log-prob of the sampled token (``mu_k``), never a recomputed policy.
+
+Thresholds use verl's DPPO convention (``verl/trainer/ppo/core_algos.py:
+compute_policy_loss_dppo_tv``): ``actor.clip_ratio_low`` / ``clip_ratio_high`` are the
+divergence thresholds delta for A < 0 / A > 0, ``actor.clip_ratio_c`` is the IS cap C.
+The per-token math is pdmask's: statistics from :mod:`pdmask.divergences` /
+:mod:`pdmask.directions` (binary) or :func:`pdmask.token_stats` (top-K), the mask from
+:func:`pdmask.mask_from_stats`, the surrogate from :func:`pdmask.token_loss`, the
+diagnostics from :func:`pdmask.loss.mask_metrics`; only the aggregation is verl's own
+``agg_loss(..., **config.global_batch_info)`` so the loss is normalised over the global
+batch exactly like verl's built-in losses under data parallelism and micro-batching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable
+
+import torch
+
+from ... import directions as _dirs
+from ... import divergences as _divs
+from ...directions import ESTIMATORS
+from ...loss import mask_metrics, token_loss
+from ...masks import get_mode, mask_from_stats, resolve_thresholds
+
+PREFIX = "pdmask_"
+#: Modes whose statistics need only log pi_k and the anchor's log mu_k.
+BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl")
+#: Modes that need the rollout top-K (the pdmask engine + rollout replica).
+TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv")
+#: Per-token statistics the actor hook provides for the top-K modes (all (B, T)).
+TOPK_STAT_KEYS = (
+    "rollout_logp", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
+    *(f"ddot_topk_{d}_{e}" for d in ("kl", "tv") for e in ESTIMATORS),
+)
+
+_ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
+                                                                             default=None)
+
+
+def loss_name(mode: str, estimator: str = "exact") -> str:
+    """verl ``loss_mode`` of a pdmask mode: ``pdm-topk-kl`` -> ``pdmask_pdm_topk_kl``;
+    a non-default estimator is appended (``pdmask_pdm_topk_kl_aggregated``)."""
+    name = PREFIX + mode.replace("-", "_")
+    return name if estimator == "exact" else f"{name}_{estimator}"
+
+
+def registered_names() -> dict[str, tuple[str, str]]:
+    """``{verl loss_mode: (pdmask mode, estimator)}`` of every loss this module registers.
+
+    The estimator only changes the predictive direction, so the ``dppo-*`` modes (ratio
+    direction) are registered once; ``pdm-topk-*`` once per estimator.
+    """
+    out = {}
+    for mode in BINARY_MODES + TOPK_MODES:
+        ests = ESTIMATORS if mode.startswith("pdm-") else ("exact",)
+        for est in ests:
+            out[loss_name(mode, est)] = (mode, est)
+    return out
+
+
+@contextlib.contextmanager
+def rollout_stats(stats: dict[str, torch.Tensor]):
+    """Make per-token top-K statistics (dict of (B, T) tensors, keys :data:`TOPK_STAT_KEYS`)
+    visible to the top-K losses during one verl ``ppo_loss`` call."""
+    token = _ROLLOUT_STATS.set(stats)
+    try:
+        yield
+    finally:
+        _ROLLOUT_STATS.reset(token)
+
+
+# ------------------------------------------------------------------ statistics
+def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
+                 response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics the binary modes read, from (B, T) log-probs alone (detached).
+
+    ``log_ratio = log pi_k - log mu_k``; ``binary_tv`` / ``binary_kl`` from
+    :mod:`pdmask.divergences`; ``ddot_binary_*`` from :mod:`pdmask.directions`. Their
+    closed forms need ``sum_i pi_i^2``, which verl does not pass to a policy loss; the
+    lower bound ``pi_k^2`` is used instead. That changes only the magnitude of Ddot,
+    never its sign (``1 - 2 pi_k + sum pi^2 >= (1 - pi_k)^2 > 0``), and only the sign
+    enters the mask and the metrics. ``entropy`` is not available here either (0).
+    Padding positions get a harmless placeholder (log-prob log 1/2) so nothing is NaN.
+    """
+    valid = response_mask.bool()
+    dt = log_prob.dtype
+    filler = torch.full_like(log_prob, -0.6931471805599453)
+    logp = torch.where(valid, log_prob.detach(), filler).clamp(max=0.0)
+    anchor = torch.where(valid, anchor_log_prob.detach().to(dt), filler).clamp(max=0.0)
+    log_ratio = _dirs.ratio_direction(logp, anchor)
+    sum_p2 = logp.exp().square()  # lower bound of sum_i pi_i^2 (sign-preserving, see above)
+    return {
+        "log_ratio": log_ratio,
+        "ratio": log_ratio.clamp(max=80.0).exp(),
+        "entropy": torch.zeros_like(logp),
+        "binary_tv": _divs.binary_tv(logp, anchor),
+        "binary_kl": _divs.binary_kl(logp, anchor),
+        "ddot_binary_tv": _dirs.ddot_binary_tv(logp, anchor, sum_p2),
+        "ddot_binary_kl": _dirs.ddot_binary_kl(logp, anchor, sum_p2),
+    }
+
+
+def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics of the top-K modes: the actor hook's (B, T) tensors plus the ratio
+    ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``."""
+    st = _ROLLOUT_STATS.get()
+    if st is None:
+        raise ValueError(
+            "config: a pdmask top-K loss_mode needs the per-token statistics of the pdmask training engine; "
+            "set actor_rollout_ref.model.model_type=pdmask_language_model and "
+            "actor_rollout_ref.rollout.name=pdmask_vllm (see docs/verl.md)")
+    missing = [k for k in TOPK_STAT_KEYS if k not in st]
+    if missing:
+        raise ValueError(f"rollout_stats: missing keys {missing}")
+    shape = tuple(log_prob.shape)
+    for k in TOPK_STAT_KEYS:
+        if tuple(st[k].shape) != shape:
+            raise ValueError(f"rollout_stats: {k!r} has shape {tuple(st[k].shape)}, log_prob has {shape}")
+    valid = response_mask.bool()
+    dt = log_prob.dtype
+    rlp = torch.where(valid, st["rollout_logp"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
+    logp = torch.where(valid, log_prob.detach(), rlp)
+    log_ratio = _dirs.ratio_direction(logp, rlp)
+    out = {k: st[k].to(dt) for k in TOPK_STAT_KEYS if k not in ("tail_clamped", "sampled_in_topk")}
+    out.update(
+        log_ratio=log_ratio,
+        ratio=log_ratio.clamp(max=80.0).exp(),
+        entropy=st.get("entropy", torch.zeros_like(logp)).to(dt),
+        tail_clamped=st["tail_clamped"].bool(),
+        sampled_in_topk=st["sampled_in_topk"].bool(),
+    )
+    return out
+
+
+# ------------------------------------------------------------------ the loss
+def _thresholds(mode, config):
+    dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return resolve_thresholds(mode, dl, dh, 0.2, 0.2)
+
+
+def masked_policy_loss(
+    mode_name: str,
+    estimator: str,
+    stats: dict[str, torch.Tensor],
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config,
+    rollout_is_weights: torch.Tensor | None,
+    *,
+    has_entropy: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """pdmask mask + DPPO surrogate on verl's (B, T) tensors, aggregated by verl's ``agg_loss``.
+
+    ``loss = agg_loss(-M * sg(min(r, C)) * A * log pi_k [* rollout_is_weights])`` with
+    ``M`` from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    mode = get_mode(mode_name)
+    th = _thresholds(mode, config)
+    valid = response_mask.bool()
+    adv = torch.where(valid, advantages.to(log_prob.dtype), torch.zeros_like(log_prob))
+    res = mask_from_stats(stats, adv, mode, estimator=estimator, thresholds=th)
+    keep = res.keep & valid
+    per, keep_eff = token_loss(log_prob, stats["log_ratio"], adv, keep, surrogate=mode.surrogate,
+                               is_cap=float(config.clip_ratio_c))
+    if rollout_is_weights is not None:
+        per = per * rollout_is_weights
+    loss = agg_loss(loss_mat=per, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                    **config.global_batch_info)
+    m = mask_metrics(res, keep_eff, stats, adv, valid)
+    if not has_entropy:
+        m.pop("entropy_mean")
+    metrics: dict[str, Any] = {f"pdmask/{k}": v for k, v in m.items()}
+    # verl's dashboard names (what its dppo_* losses report), for side-by-side runs
+    metrics["actor/pg_clipfrac"] = m["masked_frac"]
+    n = valid.sum().clamp(min=1)
+    metrics["actor/ppo_kl"] = (torch.where(valid, -stats["log_ratio"], torch.zeros_like(adv)).sum() / n).detach()
+    return loss, metrics
+
+
+def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
+    """A verl ``PolicyLossFn`` for one pdmask mode (signature as verl calls it)."""
+    get_mode(mode_name)
+    if mode_name not in BINARY_MODES + TOPK_MODES:
+        raise ValueError(f"mode: {mode_name!r} cannot be fed by verl; valid: {', '.join(BINARY_MODES + TOPK_MODES)}")
+    topk = mode_name in TOPK_MODES
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        if config is None:
+            raise ValueError("config: the actor config is required (thresholds, IS cap, global_batch_info)")
+        if tuple(old_log_prob.shape) != tuple(log_prob.shape) or tuple(advantages.shape) != tuple(log_prob.shape):
+            raise ValueError(f"old_log_prob/advantages: expected shape {tuple(log_prob.shape)}, got "
+                             f"{tuple(old_log_prob.shape)} / {tuple(advantages.shape)}")
+        if topk:
+            if rollout_is_weights is not None:
+                raise ValueError(
+                    "rollout_is_weights: the top-K modes already weight by min(pi/mu, C) against the rollout "
+                    "policy mu; unset algorithm.rollout_correction.rollout_is")
+            stats = topk_stats(log_prob, response_mask)
+            has_entropy = "entropy" in (_ROLLOUT_STATS.get() or {})
+        else:
+            stats = binary_stats(log_prob, old_log_prob, response_mask)
+            has_entropy = False
+        return masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
+                                  loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy)
+
+    policy_loss.__name__ = policy_loss.__qualname__ = loss_name(mode_name, estimator)
+    policy_loss.__doc__ = f"pdmask mode {mode_name!r} (estimator {estimator!r}) as a verl policy loss."
+    return policy_loss
+
+
+def register_losses() -> list[str]:
+    """Register every pdmask loss in verl's ``POLICY_LOSS_REGISTRY``; returns the names."""
+    from verl.trainer.ppo.core_algos import register_policy_loss
+
+    names = []
+    for name, (mode, est) in registered_names().items():
+        register_policy_loss(name)(make_policy_loss(mode, est))
+        names.append(name)
+    return names

@@ -1,0 +1,196 @@
+"""Fused per-token statistics: every row reduction the masks need in one read of the logits.
+
+:func:`row_stats` returns the same dict as the reference :func:`pdmask.stats.reduce_rows`
+(``lse``, ``logp``, ``sum_p2``, ``entropy``, ``topk_logp``), with ``logp`` differentiable
+through an ``autograd.Function`` whose backward is ``g (e_k - softmax(z / T)) / T``.
+
+Implementations, chosen by ``impl``:
+
+- ``"torch"``: chunked plain torch, one ``exp`` pass per cache-sized chunk (CPU, and the
+  fallback anywhere); peak extra memory two chunk buffers.
+- ``"triton"``: a Triton kernel, one program per row, a single streaming pass with an
+  online log-sum-exp and float32 accumulation (CUDA; or Triton's CPU interpreter when
+  ``TRITON_INTERPRET=1``, for tests). Extra memory O(N K).
+- ``"reference"``: :func:`pdmask.stats.reduce_rows` + :class:`pdmask.stats.SampledLogprob`
+  (the plain test oracle).
+- ``"auto"`` (default): ``"triton"`` for CUDA logits in fp16/bf16/fp32 when Triton is
+  installed, otherwise ``"torch"``. It never imports Triton for CPU tensors.
+
+Naive torch equivalent::
+
+    logq = torch.log_softmax(logits.float() / T, -1)
+    lse = torch.logsumexp(logits.float() / T, -1); logp = logq.gather(1, k[:, None])[:, 0]
+    sum_p2 = logq.exp().pow(2).sum(-1); entropy = -(logq.exp() * logq).sum(-1)
+    topk_logp = logq.gather(1, topk_ids)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+
+from .._validate import check_choice, check_positive
+from . import _torch
+from ._device import check_device
+from ._autograd import KEYS, FusedRowStats
+
+IMPLS = ("auto", "torch", "triton", "reference")
+
+__all__ = ["IMPLS", "KEYS", "FusedRowStats", "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether the optional ``triton`` package is installed (not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    """The implementation ``impl`` stands for on these logits (``"auto"`` resolved)."""
+    check_choice("impl", impl, IMPLS)
+    if impl != "auto":
+        return impl
+    if logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
+        return "triton"
+    return "torch"
+
+
+def _backend(name: str, logits: torch.Tensor):
+    if name == "torch":
+        return _torch
+    check_device(logits)  # before importing triton: CPU tensors need the interpreter
+    if not triton_available():
+        raise ValueError("impl: 'triton' needs the optional triton package (pip install 'pdmask[triton]')")
+    from . import _kernel  # lazy: imports triton
+
+    return _kernel
+
+
+def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 2:
+        raise ValueError("logits: expected a floating-point (N, V) tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+    N, V = logits.shape
+    if V < 1:
+        raise ValueError("logits: the vocabulary dimension is empty")
+    for name, t, shape in (("sampled_ids", sampled_ids, (N,)), ("topk_ids", topk_ids, None)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an integer tensor of token ids")
+        if shape is None and (t.dim() != 2 or t.shape[0] != N or t.shape[1] < 1):
+            raise ValueError(f"{name}: expected shape ({N}, K) with K >= 1, got {tuple(t.shape)}")
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if values and t.numel() and bool(((t < 0) | (t >= V)).any()):
+            raise ValueError(f"{name}: ids must lie in [0, {V})")
+    check_positive("temperature", temperature)
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows: must be a positive int (rows per chunk), got {chunk_rows!r}")
+
+
+def row_stats(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,)
+    topk_ids: torch.Tensor | None = None,  # (N, K)
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    impl: str = "auto",
+    validate: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Row statistics of ``pi = softmax(logits / temperature)``.
+
+    Args:
+        logits: (N, V) float16/bfloat16/float32/float64 (reduced in float32, float64 kept).
+        sampled_ids: (N,) the sampled token per row.
+        topk_ids: (N, K) ids whose log-probs to return (the rollout's top-K), or None.
+        chunk_rows: rows per chunk (``"torch"``/``"reference"``; default: a cache-sized
+            chunk for ``"torch"``, 16 M elements for ``"reference"``). Ignored by Triton.
+        impl: ``"auto"``, ``"torch"``, ``"triton"`` or ``"reference"`` (module docstring).
+        validate: check shapes and id ranges (one host sync). Out-of-range ids give NaN
+            from the Triton kernel instead of an out-of-bounds read.
+
+    Returns ``lse`` (N,), ``logp`` (N,) = log pi_k (carries the gradient when ``logits``
+    requires it), ``sum_p2`` (N,) = sum pi^2, ``entropy`` (N,) = -sum pi log pi, and with
+    ``topk_ids`` ``topk_logp`` (N, K) = log pi at topk_ids; float32 (float64 for float64
+    logits; ``"triton"`` always float32).
+    """
+    _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values=validate)
+    name = resolve_impl(impl, logits)
+    ids = sampled_ids.long()
+    tk = None if topk_ids is None else topk_ids.long()
+    if name == "reference":
+        return _reference(logits, ids, tk, temperature, chunk_rows)
+    backend = _backend(name, logits)
+    if logits.requires_grad and torch.is_grad_enabled():
+        res = FusedRowStats.apply(logits, ids, tk, float(temperature), chunk_rows, backend)
+        out = dict(zip(KEYS, res))
+        if tk is None:
+            del out["topk_logp"]
+        return out
+    kw = {"chunk_rows": chunk_rows} if getattr(backend, "CHUNKED", False) else {}
+    return backend.forward(logits.detach(), ids, tk, temperature=float(temperature), **kw)
+
+
+def _reference(logits, ids, tk, temperature, chunk_rows) -> dict[str, torch.Tensor]:
+    from ..stats import chunk_rows_for, reduce_rows, sampled_logprob
+
+    rows = chunk_rows_for(logits.shape[1], chunk_rows)
+    red = reduce_rows(logits, ids, tk, temperature=temperature, chunk_rows=rows)
+    red["logp"] = sampled_logprob(logits, ids, red["lse"], temperature, rows)
+    return red
+
+
+def hidden_row_stats(
+    hidden: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    sampled_ids: torch.Tensor,  # (N,)
+    topk_ids: torch.Tensor | None = None,  # (N, K)
+    *,
+    temperature: float = 1.0,
+    chunk_cols: int | None = None,
+    validate: bool = True,
+) -> dict[str, torch.Tensor]:
+    """:func:`row_stats` of ``logits = hidden @ weight.T`` without materialising the logits.
+
+    The vocabulary is walked in chunks of ``chunk_cols`` columns (default: 4 M logits per
+    chunk), Cut-Cross-Entropy style (see :mod:`pdmask.ops._hidden`); ``logp`` is
+    differentiable in ``hidden`` and ``weight``. Plain torch only (no Triton kernel yet);
+    no LM-head bias and no logit soft-capping. Same keys and dtypes as :func:`row_stats`.
+
+    Naive equivalent: ``row_stats(hidden @ weight.T, sampled_ids, topk_ids, ...)``.
+    """
+    from . import _hidden
+
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
+            raise ValueError(f"{name}: expected a floating-point 2-D tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight: expected shape (V, {hidden.shape[1]}) to match hidden (N, H), "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight: must have the dtype and device of hidden ({hidden.dtype}, {hidden.device}), "
+                         f"got {weight.dtype}, {weight.device}")
+    N, V = hidden.shape[0], weight.shape[0]
+    # shape / dtype / temperature checks of row_stats on a storage-less (N, V) stand-in
+    _check(torch.empty(N, V, device="meta"), sampled_ids, topk_ids, temperature, None, values=False)
+    if validate:
+        for name, t in (("sampled_ids", sampled_ids), ("topk_ids", topk_ids)):
+            if t is not None and t.numel() and bool(((t < 0) | (t >= V)).any()):
+                raise ValueError(f"{name}: ids must lie in [0, {V})")
+    if chunk_cols is not None and (not isinstance(chunk_cols, int) or isinstance(chunk_cols, bool) or chunk_cols < 1):
+        raise ValueError(f"chunk_cols: must be a positive int (vocabulary columns per chunk), got {chunk_cols!r}")
+    ids = sampled_ids.long()
+    tk = None if topk_ids is None else topk_ids.long()
+    if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        res = _hidden.HiddenRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_cols)
+        out = dict(zip(KEYS, res))
+        if tk is None:
+            del out["topk_logp"]
+        return out
+    return _hidden.forward(hidden.detach(), weight.detach(), ids, tk, temperature=float(temperature),
+                           chunk_cols=chunk_cols)

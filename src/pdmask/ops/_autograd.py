@@ -1,0 +1,43 @@
+"""The ``autograd.Function`` around a fused implementation: all row statistics in the
+forward, the gradient of ``log pi_k`` (and only of it) in the backward."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
+
+
+class FusedRowStats(torch.autograd.Function):
+    """``(lse, logp, sum_p2, entropy, topk_logp) = f(logits)`` with ``logp`` differentiable.
+
+    ``d logp / d logits = (e_k - softmax(logits / T)) / T`` per row; the other outputs
+    are marked non-differentiable (the masks use them detached). The backward recomputes
+    ``p`` from the saved logits and ``lse``, chunk by chunk (torch) or row by row
+    (Triton), so autograd holds no (N, V) float copy.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, sampled_ids, topk_ids, temperature, chunk_rows, backend):
+        out = backend.forward(logits, sampled_ids, topk_ids, temperature=temperature, **_kw(backend, chunk_rows))
+        ctx.save_for_backward(logits, sampled_ids, out["lse"])
+        ctx.temperature, ctx.chunk_rows, ctx.backend = temperature, chunk_rows, backend
+        tk = out.get("topk_logp")
+        if tk is None:
+            tk = out["lse"].new_empty(0)
+        res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
+        ctx.mark_non_differentiable(res[0], *res[2:])
+        return res
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lse, g_logp, g_sp2, g_ent, g_tk):
+        logits, ids, lse = ctx.saved_tensors
+        grad = ctx.backend.backward(logits, ids, lse, g_logp, temperature=ctx.temperature,
+                                    **_kw(ctx.backend, ctx.chunk_rows))
+        return grad, None, None, None, None, None
+
+
+def _kw(backend, chunk_rows) -> dict:
+    return {"chunk_rows": chunk_rows} if getattr(backend, "CHUNKED", False) else {}

@@ -1,0 +1,132 @@
+"""Row statistics from hidden states and the LM-head weight, without the (N, V) logits.
+
+Cut-Cross-Entropy style, in plain torch: the vocabulary is walked in column chunks; each
+chunk's logits ``z_c = (h @ W_c^T) / T`` (N, Vc) exist only while the chunk is reduced
+with an online log-sum-exp. With the running row max ``m`` and, per chunk,
+``m' = max(m, max z_c)``, ``a = exp(m - m')``, ``d = m - m'``, ``y = z_c - m'``, ``e = exp(y)``::
+
+    s <- a s + sum e,   q <- a^2 q + sum e^2,   w <- a (w + d s) + sum e y
+
+then ``lse = m + log s``, ``sum_p2 = q / s^2``, ``entropy = log s - w / s`` (as in the
+kernel of :mod:`pdmask.ops._kernel`). The sampled and top-K logits are picked out of the
+chunk that holds them, so they carry exactly the roundings of the chunk's logits.
+
+Backward of ``sum_n g_n log pi_{k_n}`` (``G = g (e_k - p) / T``, (N, V), never whole)::
+
+    dh = G W      dW = G^T h      chunk by chunk, p recomputed from h, W and lse.
+
+Naive equivalent: ``pdmask.ops.row_stats(h @ W.T, ...)``. Extra memory: a few
+(N, Vc) float32 chunk buffers plus the gradients themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Elements of one (N, Vc) float32 chunk of logits.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def cols_per_chunk(n_rows: int, vocab_size: int, chunk_cols: int | None) -> int:
+    if chunk_cols is not None:
+        return chunk_cols
+    return max(1, min(vocab_size, CHUNK_ELEMENTS // max(n_rows, 1)))
+
+
+def _chunk_logits(h, W, a, b, c, cdt):
+    z = (h @ W[a:b].T).to(cdt)  # (N, Vc): the logits in the model's own dtype, then upcast
+    return z.mul_(c) if c != 1.0 else z
+
+
+def _pick(dst, z, ids, a, b):
+    """Copy ``z[n, ids[n, j] - a]`` into ``dst[n, j]`` where ``a <= ids < b``."""
+    inside = (ids >= a) & (ids < b)
+    vals = z.gather(1, (ids - a).clamp_(0, b - a - 1))
+    dst.copy_(torch.where(inside, vals, dst))
+
+
+def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
+    N, V = h.shape[0], W.shape[0]
+    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    c = 1.0 / temperature
+    step = cols_per_chunk(N, V, chunk_cols)
+    ninf = float("-inf")
+    m = torch.full((N,), ninf, dtype=cdt, device=h.device)
+    s, q, w = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(3))
+    zk = torch.full((N, 1), float("nan"), dtype=cdt, device=h.device)
+    zt = None if topk_ids is None else torch.full(topk_ids.shape, float("nan"), dtype=cdt, device=h.device)
+    for a in range(0, V, step):
+        b = min(a + step, V)
+        z = _chunk_logits(h, W, a, b, c, cdt)
+        _pick(zk, z, sampled_ids[:, None], a, b)
+        if zt is not None:
+            _pick(zt, z, topk_ids, a, b)
+        m_new = torch.maximum(m, z.amax(-1))
+        m_sub = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        first = torch.isneginf(m)
+        alpha = torch.where(first, torch.zeros_like(m), torch.exp(m - m_sub))
+        d = torch.where(first, torch.zeros_like(m), m - m_sub)
+        y = z.sub_(m_sub[:, None])
+        e = torch.exp(y)
+        se = e.sum(-1)
+        qe = torch.linalg.vecdot(e, e)
+        we = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
+        w = alpha * (w + d * s) + we
+        s = alpha * s + se
+        q = alpha * alpha * q + qe
+        m = m_new
+    log_s = s.log()
+    m_fin = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    lse = m_fin + log_s
+    out = {"lse": lse, "logp": zk.squeeze(1) - lse, "sum_p2": q / (s * s), "entropy": log_s - w / s}
+    if zt is not None:
+        out["topk_logp"] = zt - lse[:, None]
+    return out
+
+
+def backward(h, W, sampled_ids, lse, g, *, temperature, chunk_cols, need_h=True, need_W=True):
+    """``(dh, dW)`` of ``sum_n g_n log pi_{k_n}``; float32 accumulation, cast at the end."""
+    N, V = h.shape[0], W.shape[0]
+    cdt = lse.dtype
+    c = 1.0 / temperature
+    step = cols_per_chunk(N, V, chunk_cols)
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    gc = g.to(cdt) * c  # (N,)
+    dh = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
+    dW = torch.empty(W.shape, dtype=W.dtype, device=W.device) if need_W else None
+    hc = h.to(cdt) if need_W else None
+    for a in range(0, V, step):
+        b = min(a + step, V)
+        G = _chunk_logits(h, W, a, b, c, cdt).sub_(lse[:, None]).exp_().mul_(-gc[:, None])  # (N, Vc) -g p / T
+        inside = (sampled_ids >= a) & (sampled_ids < b)
+        rows = inside.nonzero().squeeze(1)
+        G[rows, sampled_ids[rows] - a] += gc[rows]  # + g e_k / T
+        if need_h:
+            dh.addmm_(G, W[a:b].to(cdt))
+        if need_W:
+            dW[a:b] = (G.T @ hc).to(W.dtype)
+    return (dh.to(h.dtype) if need_h else None), dW
+
+
+class HiddenRowStats(torch.autograd.Function):
+    """Row statistics of ``softmax(h W^T / T)``; ``logp`` differentiable in ``h`` and ``W``."""
+
+    @staticmethod
+    def forward(ctx, h, W, sampled_ids, topk_ids, temperature, chunk_cols):
+        out = forward(h, W, sampled_ids, topk_ids, temperature=temperature, chunk_cols=chunk_cols)
+        ctx.save_for_backward(h, W, sampled_ids, out["lse"])
+        ctx.temperature, ctx.chunk_cols = temperature, chunk_cols
+        tk = out.get("topk_logp")
+        if tk is None:
+            tk = out["lse"].new_empty(0)
+        res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
+        ctx.mark_non_differentiable(res[0], *res[2:])
+        return res
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lse, g_logp, g_sp2, g_ent, g_tk):
+        h, W, ids, lse = ctx.saved_tensors
+        dh, dW = backward(h, W, ids, lse, g_logp, temperature=ctx.temperature, chunk_cols=ctx.chunk_cols,
+                          need_h=ctx.needs_input_grad[0], need_W=ctx.needs_input_grad[1])
+        return dh, dW, None, None, None, None

@@ -1,0 +1,253 @@
+"""Triton kernels for the fused row statistics and the gradient of ``log pi_k``.
+
+Imported only when ``impl="triton"`` is used (or ``"auto"`` on CUDA with Triton
+installed); CPU users never import Triton.
+
+Forward, one program per row, a single pass over the row in blocks of ``BLOCK_V``
+(online log-sum-exp in base 2, float32 accumulation from bf16/fp16/fp32 input). With
+``z = x log2(e) / T`` and the running max ``m`` (base-2 units) the row keeps::
+
+    s = sum 2^(z - m),   q = sum 2^(2 (z - m)),   w = sum 2^(z - m) (z - m)
+
+and when a block raises the max from ``m`` to ``m'`` (``a = 2^(m - m')``, ``d = m - m'``)::
+
+    s <- a s + sum_blk e,   q <- a^2 q + sum_blk e^2,   w <- a (w + d s) + sum_blk e y
+
+so that at the end ``lse = ln2 (m + log2 s)``, ``entropy = ln2 (log2 s - w / s)``,
+``sum_p2 = q / s^2`` and ``logp_j = ln2 (z_j - m) - ln s``: the same quantities as
+:func:`pdmask.stats.reduce_rows`, which is the test oracle.
+
+Backward, one program per row: ``grad = g (e_k - p) / T`` written in the logits' dtype.
+
+Kernels are built on first use with ``triton.jit``; when ``TRITON_INTERPRET=1`` is set
+at that moment they are built for Triton's CPU interpreter instead (tests, no GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import check_device, interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# globals a kernel reads must be constexpr for the compiler (the interpreter does not care)
+_LN2 = tl.constexpr(LN2)
+_LOG2E = tl.constexpr(LOG2E)
+
+#: Launch configuration. Not tuned on hardware from this repository; ``bench_gpu.py
+#: --tune`` measures alternatives.
+FWD_BLOCK_V = 4096
+BWD_BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+def _row_stats_fwd(
+    X, stride_x, IDS, TOPK, stride_tk, LSE, LOGP, SUMP2, ENT, TOPK_LOGP, stride_tl,
+    V, K, scale,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_TOPK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x  # int64 offset: N * V exceeds 2^31 at T = 16k, V = 152k
+    offs = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    m = tl.full((), neg_inf, tl.float32)
+    s = tl.zeros((), tl.float32)
+    q = tl.zeros((), tl.float32)
+    w = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        z = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * scale
+        m_new = tl.maximum(m, tl.max(z, 0))
+        # m_sub: a finite shift even while every value seen so far is -inf
+        m_sub = tl.where(m_new == neg_inf, 0.0, m_new)
+        a = tl.where(m == neg_inf, 0.0, tl.exp2(m - m_sub))
+        d = tl.where(m == neg_inf, 0.0, m - m_sub)
+        y = z - m_sub
+        e = tl.exp2(y)
+        ey = tl.where(e > 0.0, e * y, 0.0)  # 0 * -inf would be NaN
+        w = a * (w + d * s) + tl.sum(ey, 0)
+        s = a * s + tl.sum(e, 0)
+        q = a * a * q + tl.sum(e * e, 0)
+        m = m_new
+    log2_s = tl.log2(s)
+    m_fin = tl.where(m == neg_inf, 0.0, m)
+    lse2 = m_fin + log2_s  # -inf when the whole row is -inf (s = 0)
+    tl.store(LSE + row, lse2 * _LN2)
+    tl.store(SUMP2 + row, q / (s * s))
+    tl.store(ENT + row, (log2_s - w / s) * _LN2)
+    k = tl.load(IDS + row)
+    ok = (k >= 0) & (k < V)  # out-of-range ids give NaN instead of reading out of bounds
+    zk = tl.load(x_row + k, mask=ok, other=float("nan")).to(tl.float32) * scale
+    tl.store(LOGP + row, (zk - lse2) * _LN2)
+    if HAS_TOPK:
+        ko = tl.arange(0, BLOCK_K)
+        kid = tl.load(TOPK + row * stride_tk + ko, mask=ko < K, other=0)
+        kok = (kid >= 0) & (kid < V)
+        zt = tl.load(x_row + kid, mask=(ko < K) & kok, other=float("nan")).to(tl.float32) * scale
+        tl.store(TOPK_LOGP + row * stride_tl + ko, (zt - lse2) * _LN2, mask=ko < K)
+
+
+def _logp_bwd(
+    X, stride_x, IDS, LSE, G, DX, stride_dx, V, scale, inv_t,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    dx_row = DX + row * stride_dx
+    offs = tl.arange(0, BLOCK_V)
+    lse2 = tl.load(LSE + row) * _LOG2E
+    g = tl.load(G + row).to(tl.float32) * inv_t
+    k = tl.load(IDS + row)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        msk = cols < V
+        z = tl.load(x_row + cols, mask=msk, other=float("-inf")).to(tl.float32) * scale
+        p = tl.exp2(z - lse2)
+        gz = g * (tl.where(cols == k, 1.0, 0.0) - p)
+        tl.store(dx_row + cols, gz.to(DX.dtype.element_ty), mask=msk)
+
+
+_BUILT: dict[bool, tuple] = {}
+
+
+def language_interpreted() -> bool:
+    """Whether ``triton.language`` itself was imported in interpreter mode: Triton reads
+    ``TRITON_INTERPRET`` when it decorates its own standard library (``tl.sum``...)."""
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def _kernels():
+    # Built lazily, and per mode, because triton.jit picks interpreter vs compiler from
+    # TRITON_INTERPRET at decoration time.
+    mode = interpreting()
+    if mode != language_interpreted():
+        raise RuntimeError(
+            "TRITON_INTERPRET must have the same value when triton is first imported and when "
+            f"the pdmask kernels run (now {int(mode)}, at import {int(language_interpreted())}); "
+            "set it before anything imports triton"
+        )
+    if mode not in _BUILT:
+        _BUILT[mode] = (triton.jit(_row_stats_fwd), triton.jit(_logp_bwd))
+    return _BUILT[mode]
+
+
+def _check_device(logits: torch.Tensor) -> None:
+    check_device(logits)
+    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"logits: impl='triton' supports float16/bfloat16/float32, got {logits.dtype}")
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,) int64
+    topk_ids: torch.Tensor | None,  # (N, K) int64
+    *,
+    temperature: float,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Launch the forward kernel; returns float32 ``lse, logp, sum_p2, entropy[, topk_logp]``."""
+    _check_device(logits)
+    fwd, _ = _kernels()
+    logits = _row_major(logits)
+    N, V = logits.shape
+    dev = logits.device
+    f32 = torch.float32
+    lse, logp, sp2, ent = (torch.empty(N, dtype=f32, device=dev) for _ in range(4))
+    ids = sampled_ids.contiguous()
+    has_topk = topk_ids is not None
+    if has_topk:
+        tk = _row_major(topk_ids)
+        K = tk.shape[1]
+        tlp = torch.empty(N, K, dtype=f32, device=dev)
+    else:  # placeholders, never read (HAS_TOPK is a compile-time False)
+        K, tk, tlp = 1, ids[:, None], lse[:, None]
+    if N == 0:
+        out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
+        if has_topk:
+            out["topk_logp"] = tlp
+        return out
+    bv = block_v or min(FWD_BLOCK_V, triton.next_power_of_2(V))
+    fwd[(N,)](
+        logits, logits.stride(0), ids, tk, tk.stride(0), lse, logp, sp2, ent, tlp, tlp.stride(0),
+        V, K, LOG2E / temperature,
+        BLOCK_V=bv, BLOCK_K=triton.next_power_of_2(K), HAS_TOPK=has_topk,
+        num_warps=num_warps or NUM_WARPS,
+    )
+    out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
+    if has_topk:
+        out["topk_logp"] = tlp
+    return out
+
+
+def backward(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,)
+    lse: torch.Tensor,  # (N,) float32
+    grad_logp: torch.Tensor,  # (N,)
+    *,
+    temperature: float,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Launch the backward kernel: ``grad_logp (e_k - softmax(logits / T)) / T``."""
+    _check_device(logits)
+    _, bwd = _kernels()
+    logits = _row_major(logits)
+    N, V = logits.shape
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if N == 0:
+        return grad
+    # rows with a non-finite lse (all -inf padding) get p = 2^(z - inf) = 0, not NaN
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).contiguous()
+    bv = block_v or min(BWD_BLOCK_V, triton.next_power_of_2(V))
+    bwd[(N,)](
+        logits, logits.stride(0), sampled_ids.contiguous(), lse, grad_logp.contiguous(), grad,
+        grad.stride(0), V, LOG2E / temperature, 1.0 / temperature,
+        BLOCK_V=bv, num_warps=num_warps or NUM_WARPS,
+    )
+    return grad
+
+
+def compile_check(arch: int = 90, dtypes=("bf16", "fp16", "fp32"), num_warps: int | None = None) -> list[str]:
+    """Compile every kernel variant for ``sm_{arch}`` down to a cubin, without a GPU.
+
+    Catches what the interpreter cannot (constexpr globals, type rules of the compiler,
+    ptxas errors). Needs ``TRITON_INTERPRET`` unset when triton is imported. Returns one
+    line per variant.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as tcompile
+
+    if language_interpreted():
+        raise RuntimeError("compile_check: triton was imported with TRITON_INTERPRET=1")
+    fwd, bwd = triton.jit(_row_stats_fwd), triton.jit(_logp_bwd)
+    target = GPUTarget("cuda", arch, 32)
+    opts = {"num_warps": num_warps or NUM_WARPS}
+    done = []
+    for dt in dtypes:
+        for has_topk in (True, False):
+            sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "TOPK": "*i64", "stride_tk": "i32",
+                   "LSE": "*fp32", "LOGP": "*fp32", "SUMP2": "*fp32", "ENT": "*fp32", "TOPK_LOGP": "*fp32",
+                   "stride_tl": "i32", "V": "i32", "K": "i32", "scale": "fp32",
+                   "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "HAS_TOPK": "constexpr"}
+            src = ASTSource(fwd, sig, constexprs={"BLOCK_V": FWD_BLOCK_V, "BLOCK_K": 32, "HAS_TOPK": has_topk})
+            k = tcompile(src, target=target, options=opts)
+            assert k.asm.get("cubin"), "no cubin produced"
+            done.append(f"fwd {dt} topk={has_topk} sm_{arch}: {len(k.asm['cubin'])} bytes")
+        sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "LSE": "*fp32", "G": "*fp32", "DX": f"*{dt}",
+               "stride_dx": "i32", "V": "i32", "scale": "fp32", "inv_t": "fp32", "BLOCK_V": "constexpr"}
+        k = tcompile(ASTSource(bwd, sig, constexprs={"BLOCK_V": BWD_BLOCK_V}), target=target, options=opts)
+        assert k.asm.get("cubin"), "no cubin produced"
+        done.append(f"bwd {dt} sm_{arch}: {len(k.asm['cubin'])} bytes")
+    return done

@@ -1,0 +1,184 @@
+"""Chunked plain-torch implementation of the fused row statistics (CPU, and fallback).
+
+One pass of ``exp`` per element, over row chunks small enough to stay in cache. For a
+chunk of rows ``x`` (any float dtype), with ``z = x / T`` computed as ``x * (1/T)`` in the
+compute dtype and ``m`` the row max of z::
+
+    y = z - m                 # (rows, V) compute dtype, <= 0, one buffer
+    e = exp(y)                # (rows, V) second buffer; the only exp
+    s = sum e,  q = sum e^2,  w = sum e y
+
+    lse     = m + log s
+    sum_p2  = q / s^2                      (p = e / s)
+    entropy = log s - w / s                (= -sum p log p; both terms >= 0, no cancellation)
+    logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
+
+Peak extra memory: two (rows, V) buffers of the compute dtype plus O(N K) outputs.
+Naive equivalent: ``pdmask.stats.reduce_rows`` (the test oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Elements per chunk buffer (two buffers): 512 Ki elements = 2 MiB of float32 each,
+#: small enough to stay in the last-level cache while the chunk is reduced.
+CHUNK_ELEMENTS = 1 << 19
+
+#: This backend honours ``chunk_rows`` (the Triton one streams rows and ignores it).
+CHUNKED = True
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; bf16/fp16/fp32 are reduced in float32 (as the reference)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: On a GPU the chunk only bounds memory (each op is a kernel launch): 16 M elements,
+#: 64 MiB of float32 per buffer, as the reference path.
+CHUNK_ELEMENTS_CUDA = 1 << 24
+
+
+def rows_per_chunk(vocab_size: int, chunk_rows: int | None, device: torch.device | str = "cpu") -> int:
+    if chunk_rows is not None:
+        return chunk_rows
+    budget = CHUNK_ELEMENTS_CUDA if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+    return max(1, budget // max(vocab_size, 1))
+
+
+def _safe_max(m: torch.Tensor) -> torch.Tensor:
+    # An all -inf row has max -inf; shift it by 0 instead so x - m stays -inf (not NaN)
+    # and s = 0 gives lse = -inf, which the caller reports (as torch.logsumexp does).
+    return m.masked_fill_(m == float("-inf"), 0.0)
+
+
+def forward(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,) int64
+    topk_ids: torch.Tensor | None,  # (N, K) int64
+    *,
+    temperature: float,
+    chunk_rows: int | None,
+) -> dict[str, torch.Tensor]:
+    """Row statistics of ``softmax(logits / temperature)``; see the module docstring."""
+    N, V = logits.shape
+    cdt = compute_dtype(logits.dtype)
+    dev = logits.device
+    c = 1.0 / temperature
+    step = rows_per_chunk(V, chunk_rows, logits.device)
+    m = torch.empty(N, 1, dtype=cdt, device=dev)  # row max of z = x / T
+    s = torch.empty(N, dtype=cdt, device=dev)
+    q = torch.empty(N, dtype=cdt, device=dev)
+    w = torch.empty(N, dtype=cdt, device=dev)
+    rows = min(step, N)
+    ybuf = torch.empty(rows, V, dtype=cdt, device=dev)
+    ebuf = torch.empty(rows, V, dtype=cdt, device=dev)
+    same = logits.dtype == cdt
+    for a in range(0, N, step):
+        b = min(a + step, N)
+        x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
+        if same and c == 1.0:
+            torch.amax(x, -1, keepdim=True, out=mc)
+            _safe_max(mc)
+            torch.sub(x, mc, out=y)
+        else:
+            # upcast (and scale) into the buffer first: reductions and arithmetic on
+            # float32 run faster on CPU than on bf16/fp16 input
+            if same:
+                torch.mul(x, c, out=y)
+            else:
+                y.copy_(x)
+                if c != 1.0:
+                    y.mul_(c)
+            torch.amax(y, -1, keepdim=True, out=mc)
+            _safe_max(mc)
+            y.sub_(mc)
+        torch.exp(y, out=e)
+        torch.sum(e, -1, out=s[a:b])
+        y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
+        torch.sum(y, -1, out=w[a:b])
+        e.mul_(e)
+        torch.sum(e, -1, out=q[a:b])
+    del ybuf, ebuf
+    _fix_neg_inf(logits, m, s, w, c, step)
+    log_s = s.log()
+    lse = m.squeeze(1) + log_s
+    out = {
+        "lse": lse,
+        "logp": _logp_at(logits, sampled_ids[:, None], m, log_s[:, None], c).squeeze(1),
+        "sum_p2": q / (s * s),
+        "entropy": log_s - w / s,
+    }
+    if topk_ids is not None:
+        out["topk_logp"] = _logp_at(logits, topk_ids, m, log_s[:, None], c)
+    return out
+
+
+def _logp_at(logits, ids, m, log_s, c) -> torch.Tensor:
+    """``z_ids - m - log s`` (N, J), with the same roundings as the chunk's ``y``."""
+    xg = logits.gather(1, ids).to(m.dtype)  # (N, J)
+    if c != 1.0:
+        xg.mul_(c)
+    return xg.sub_(m).sub_(log_s)
+
+
+def _fix_neg_inf(logits, m, s, w, c, step) -> None:
+    """Recompute ``w = sum e y`` on rows where a -inf logit made ``0 * -inf = NaN``.
+
+    Only rows with a finite positive ``s`` (so the logits themselves are not NaN) and a
+    NaN ``w`` are redone, in chunks, with ``e y`` set to 0 where ``e = 0``; rows without
+    -inf logits never pay for this.
+    """
+    bad = torch.isnan(w) & (s > 0) & torch.isfinite(s)
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero().squeeze(1)
+    for a in range(0, idx.numel(), step):
+        r = idx[a : a + step]
+        y = logits[r].to(m.dtype)
+        if c != 1.0:
+            y.mul_(c)
+        y.sub_(m[r])
+        e = y.exp()
+        w[r] = torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
+
+
+def backward(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,)
+    lse: torch.Tensor,  # (N,) compute dtype
+    grad_logp: torch.Tensor,  # (N,)
+    *,
+    temperature: float,
+    chunk_rows: int | None,
+) -> torch.Tensor:
+    """``d logp / d logits`` contracted with ``grad_logp``: ``g (e_k - p) / T``, chunked.
+
+    Written straight into a gradient of the logits' dtype; for float32/float64 logits the
+    chunk is computed in place in the output, so no extra buffer is used at all.
+    """
+    N, V = logits.shape
+    cdt = lse.dtype
+    c = 1.0 / temperature
+    step = rows_per_chunk(V, chunk_rows, logits.device)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    # rows whose lse is not finite (all -inf padding rows) get p = exp(-inf) = 0, not NaN
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    gc = grad_logp.to(cdt) * c  # (N,)
+    same = logits.dtype == cdt
+    buf = None if same else torch.empty(min(step, N), V, dtype=cdt, device=logits.device)
+    for a in range(0, N, step):
+        b = min(a + step, N)
+        if same and c == 1.0:
+            y = torch.sub(logits[a:b], lse[a:b, None], out=grad[a:b])
+        else:
+            y = grad[a:b] if same else buf[: b - a]
+            y.copy_(logits[a:b])  # upcast first: float32 arithmetic is the fast path on CPU
+            if c != 1.0:
+                y.mul_(c)
+            y.sub_(lse[a:b, None])
+        y.exp_().mul_(gc[a:b, None].neg())  # -g p / T
+        y.scatter_add_(1, sampled_ids[a:b, None], gc[a:b, None])  # + g e_k / T
+        if not same:
+            grad[a:b].copy_(y)
+    return grad

@@ -1,0 +1,76 @@
+"""A subprocess smoke run of ``pdmask audit`` with tiny settings produces the outputs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the audit CLI needs the 'train' extra (transformers)")
+pytest.importorskip("typer", reason="the audit CLI needs the 'train' extra (typer)")
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+TINY = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2",
+        "train_size=300", "eval_size=8", "sft_steps=0", "prompts_per_step=2",
+        "group_size=4", "max_new_tokens=6", "threads=1", "top_k=5"]
+
+
+@pytest.mark.slow
+def test_cli_smoke(tmp_path):
+    out = tmp_path / "audit"
+    args = [sys.executable, "-m", "pdmask.cli", "audit", "--out", str(out), "--seeds", "2",
+            "--precision", "fp8-bf16", "--delta", "1e-4", "--isolated-tokens", "2", "--isolated-disagreement", "2",
+            "--bootstrap", "50", "--no-progress", "--set", f"cache_dir={tmp_path / 'cache'}"]
+    for kv in TINY:
+        args += ["--set", kv]
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PDMASK_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for f in ("audit.json", "audit.md", "audit_tokens.npz", "rates.png", "fidelity.png", "scatter.png"):
+        assert (out / f).stat().st_size > 0, f
+    doc = json.loads((out / "audit.json").read_text())
+    assert doc["settings"]["audit"]["delta_low"] == 1e-4
+    assert doc["settings"]["run"]["engine_precision"] == "fp8-bf16"
+    assert len(doc["summary"]["per_seed"]) == 2
+    assert doc["summary"]["per_seed"][0]["n_response_tokens"] > 0
+    # the fidelity sweep's K is capped at V = 300, so 100 is the largest K
+    assert max(map(int, doc["summary"]["fidelity"]["response"]["sign_agreement"])) == 100
+    assert "## Definitions (ours)" in (out / "audit.md").read_text()
+
+
+def test_cli_bad_option_is_an_error(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    res = subprocess.run([sys.executable, "-m", "pdmask.audit.cli", "audit", "--divergence", "binary_kl",
+                          "--set", f"cache_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 2 and "divergence" in res.stderr
+
+
+@pytest.mark.slow
+def test_audit_of_a_run_directory(tmp_path):
+    """`pdmask train` (smoke preset) then `pdmask audit --model RUN_DIR`: the run's config,
+    trainer weights, stale engine weights and AdamW state are picked up."""
+    repo = SRC.parent
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PDMASK_CACHE": str(tmp_path / "cache")}
+    train = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(repo / "configs" / "smoke.yaml"),
+             f"out_dir={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}", "progress=false", "tensorboard=false",
+             "steps=2", "checkpoint_every=1"]
+    res = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "smoke"
+    out = tmp_path / "audit"
+    res = subprocess.run([sys.executable, "-m", "pdmask.cli", "audit", "--model", str(run), "--out", str(out),
+                          "--seeds", "1", "--delta", "1e-3", "--isolated-tokens", "2", "--isolated-disagreement", "1",
+                          "--bootstrap", "20", "--no-progress", "--no-plots"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((out / "audit.json").read_text())
+    r = doc["settings"]["run"]
+    assert r["kind"] == "run-directory" and r["run_checkpoint"].endswith("step-000002")
+    assert r["optimizer_state"] == "the run's AdamW state"
+    assert r["engine_weights"].startswith("from the checkpoint")
+    assert r["vocab_size"] == 400  # the smoke preset's model, not the default one
+    assert doc["settings"]["run"]["trainer_config"]["name"] == "smoke"

@@ -1,0 +1,80 @@
+"""Random per-token cases with a known full rollout distribution, and autograd oracles."""
+
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+
+
+def make_case(N=6, V=40, K=5, *, scale=1.5, mismatch=0.5, seed=0, dtype=F64, temperature=1.0,
+              peaked_rows=0):
+    """Trainer logits z, rollout logits y = z + noise; top-K and sampled token from mu.
+
+    ``peaked_rows`` rows get a very large logit gap so that pi and mu are nearly one-hot.
+    Returns a dict of flat (N, ...) tensors plus the rollout's full log-probs.
+    """
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, V, generator=g, dtype=F64) * scale
+    y = z + torch.randn(N, V, generator=g, dtype=F64) * mismatch
+    for r in range(min(peaked_rows, N)):
+        j = int(torch.randint(V, (1,), generator=g))
+        z[r, j] += 40.0
+        y[r, j] += 38.0
+    logmu = torch.log_softmax(y / temperature, -1)
+    top = logmu.topk(K, dim=-1)
+    k = torch.multinomial(logmu.exp(), 1, generator=g).squeeze(1)
+    return dict(
+        logits=z.to(dtype), rollout_logits=y.to(dtype), logmu=logmu,
+        sampled_ids=k, rollout_logprob=logmu.gather(1, k[:, None]).squeeze(1),
+        topk_ids=top.indices, topk_logprobs=top.values, temperature=temperature,
+    )
+
+
+def stats_of(c, **kw):
+    """token_stats on a flat case, treated as B=1 sequences of length N."""
+    import pdmask
+
+    return {k: v[0] for k, v in pdmask.token_stats(
+        c["logits"][None], c["sampled_ids"][None], c["rollout_logprob"][None],
+        c["topk_ids"][None], c["topk_logprobs"][None],
+        rollout_logits=c["rollout_logits"][None], temperature=c["temperature"], **kw).items()}
+
+
+def support_mask(topk_ids, sampled_ids, V):
+    """(N, V) bool: membership in S' = topK ∪ {k}."""
+    m = torch.zeros(topk_ids.shape[0], V, dtype=torch.bool)
+    m.scatter_(1, topk_ids, True)
+    m.scatter_(1, sampled_ids[:, None], True)
+    return m
+
+
+def topk_divergence_fn(c, kind: str):
+    """The top-K divergence as a function of the full pi (for autograd): S' plus one tail bucket."""
+    V = c["logits"].shape[-1]
+    S = support_mask(c["topk_ids"], c["sampled_ids"], V)
+    mu_full = c["logmu"].exp()
+    mu_S = torch.where(S, mu_full, torch.zeros_like(mu_full))
+    # mu on S' as the engine reports it: top-K entries + the sampled token
+    mu_T = torch.where(S, torch.zeros_like(mu_full), mu_full).sum(-1)  # exactly 0 when K = V
+
+    def fn(_mu, pi):
+        pi_S = torch.where(S, pi, torch.zeros_like(pi))
+        pi_T = torch.where(S, torch.zeros_like(pi), pi).sum(-1)
+        if kind == "kl":
+            body = torch.where(S & (mu_S > 0), mu_S * (torch.log(mu_S.clamp_min(1e-300)) - torch.log(pi)),
+                               torch.zeros_like(pi)).sum(-1)
+            tail = torch.where(mu_T > 0, mu_T * (torch.log(mu_T.clamp_min(1e-300)) - torch.log(pi_T)),
+                               torch.zeros_like(mu_T))
+            return body + tail
+        return 0.5 * ((mu_S - pi_S).abs().sum(-1) + (mu_T - pi_T).abs())
+
+    return fn
+
+
+def full_kl_fn(mu, pi):
+    return (mu * (torch.log(mu) - torch.log(pi))).sum(-1)
+
+
+def full_tv_fn(mu, pi):
+    return 0.5 * (mu - pi).abs().sum(-1)

@@ -1,0 +1,123 @@
+"""Shared pieces of the TRL tests: a probing trainer that re-derives every loss
+independently, a vLLM-shaped fake generator, and the trainer factory."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_extract
+from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer
+
+import pdmask
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer
+
+
+def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
+    """TRL 1.16's normalisation of each loss_type, written out (grpo_trainer._compute_loss)."""
+    m = mask.float()
+    x = token_loss * m
+    ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1
+    lt = trainer.loss_type
+    if lt == "dapo":
+        n = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        n = n * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+        return x.sum() / n
+    if lt == "bnpo":
+        return x.sum() / m.sum().clamp(min=1.0) / ga
+    if lt == "grpo":
+        return (x.sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / ga
+    if lt == "dr_grpo":
+        return x.sum() / (x.shape[0] * trainer.max_completion_length) / ga
+    raise AssertionError(lt)
+
+
+class Probe(GRPOTrainer):
+    """Checks every micro-batch against an independent computation."""
+
+    def __init__(self, *a, **kw):
+        self.records = []
+        super().__init__(*a, **kw)
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        a = self.args
+        with torch.no_grad():
+            P = inputs["prompt_ids"].shape[1]
+            comp = inputs["completion_ids"]
+            ids = torch.cat([inputs["prompt_ids"], comp], 1)
+            am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+            pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # positions as generate() counts them
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1:-1].float()
+            mask = inputs["completion_mask"].bool()
+            ref = pdmask.policy_loss(
+                logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
+                inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
+                estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,
+                eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=a.is_cap,
+                temperature=a.temperature)
+            expected = hand_aggregate(ref.token_loss, mask, self, inputs)
+        self.records.append({
+            "loss": loss.detach().clone(), "expected": expected, "logits": logits, "mask": mask,
+            # no optimizer step since this batch was generated (generation is aligned to steps)
+            "on_policy": self._step % a.steps_per_generation < a.gradient_accumulation_steps,
+            "inputs": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
+            "kept": ref.mask, "metrics": ref.metrics,
+        })
+        return loss
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=6, max_steps=2, steps_per_generation=2, logging_steps=1,
+                save_strategy="no", report_to="none", learning_rate=3e-2, temperature=0.8, rollout_top_k=4,
+                disable_tqdm=True, seed=0)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def make_trainer(tmp_path, cls=Probe, n_prompts=8, **kw):
+    return cls(model=tiny_model(), reward_funcs=reward_letter_a, args=config(tmp_path, **kw),
+               train_dataset=Dataset.from_dict({"prompt": prompts(n_prompts)}), processing_class=tiny_tokenizer())
+
+
+class FakeVLLMGeneration:
+    """Stands in for ``trl.generation.VLLMGeneration`` (colocate, processed_logprobs).
+
+    Samples token by token from the trainer's model, fills vLLM-shaped ``Logprob`` dicts
+    (sampled token first with its count-rank, then ranks 1..K: K or K + 1 entries) and
+    returns TRL's rank-sorted lists, exactly the 4-tuple ``VLLMGeneration.generate`` returns.
+    """
+
+    def __init__(self, trainer, logprobs=0):
+        self.trainer = trainer
+        self.logprobs = logprobs
+        self.synced = 0
+        self.outputs = None
+
+    def sync_weights(self):
+        self.synced += 1
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        tr = self.trainer
+        model = tr.accelerator.unwrap_model(tr.model)
+        T, K, eos = tr.temperature, self.logprobs, 1
+        outs = []
+        for p in prompts:
+            seq = list(p)
+            container, comp = [], []
+            for _ in range(tr.max_completion_length):
+                z = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+                lp = torch.log_softmax(z / T, -1)
+                s = int(torch.multinomial(lp.exp(), 1))
+                topv, topi = lp.topk(K) if K else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+                rank = int((lp >= lp[s]).sum())
+                append_position(container, [s] + topi.tolist(), [float(lp[s])] + topv.tolist(), rank, K)
+                comp.append(s)
+                seq.append(s)
+                if s == eos:
+                    break
+            outs.append(RequestOutput("r", list(p), [CompletionOutput(0, "", comp, None, container)]))
+        self.outputs = outs
+        lps, lp_ids = trl_extract(outs)
+        return [list(p) for p in prompts], [o.outputs[0].token_ids for o in outs], lps, lp_ids

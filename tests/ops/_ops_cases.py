@@ -1,0 +1,115 @@
+"""Shared inputs and tolerances for the pdmask.ops tests (random and adversarial rows)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
+
+
+def tol(dtype: torch.dtype, zmax: float = 10.0) -> dict:
+    """Agreement with the reference, which reduces the same input values in the same
+    compute dtype (float32 for bf16/fp16/fp32, float64 for fp64): the two differ by the
+    order of roundings over V terms and by rounding ``z = x / T`` (x/T vs x*(1/T), base-2
+    scaling in Triton), an error of a few ulps of the largest ``|z|`` (``zmax``)."""
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return {"atol": 64 * eps + 8 * eps * zmax, "rtol": 64 * eps}
+
+
+def make_logits(N, V, dtype, *, seed=0, scale=3.0, kind="random"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g, dtype=torch.float64) * scale
+    if kind == "peaked":  # one token holds nearly all the mass: entropy ~ 1e-20, sum_p2 ~ 1
+        x[torch.arange(N), torch.randint(0, V, (N,), generator=g)] += 60.0
+    elif kind == "neginf":  # vocabulary masking: a third of each row is -inf
+        x[torch.rand(N, V, generator=g) < 0.33] = float("-inf")
+        x[:, 0] = 0.5  # at least one finite logit per row
+    elif kind == "offset":  # large common offset: only the shift-invariant form survives
+        x = x + 1000.0
+    elif kind == "flat":  # uniform rows: entropy = log V, sum_p2 = 1 / V exactly
+        x = torch.zeros(N, V, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def make_ids(N, V, K, *, seed=1, sampled_in_topk=None):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, V, (N,), generator=g)
+    if K is None:
+        return k, None
+    tk = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    if sampled_in_topk is True:
+        tk[:, -1] = k
+        # keep rows duplicate-free: if k was already present elsewhere, swap it into place
+        for i in range(N):
+            dup = (tk[i, :-1] == k[i]).nonzero()
+            if dup.numel():
+                rest = [j for j in range(V) if j not in set(tk[i].tolist())]
+                tk[i, dup[0, 0]] = rest[0] if rest else tk[i, dup[0, 0]]
+    elif sampled_in_topk is False and K < V:
+        for i in range(N):
+            if (tk[i] == k[i]).any():
+                k[i] = next(j for j in range(V) if j not in set(tk[i].tolist()))
+    return k, tk
+
+
+def naive(logits, ids, topk_ids, temperature=1.0):
+    """float64 full-softmax oracle (for independence from the chunked reference)."""
+    z = logits.double() / temperature
+    logq = torch.log_softmax(z, -1)
+    p = logq.exp()
+    out = {
+        "lse": torch.logsumexp(z, -1),
+        "logp": logq.gather(1, ids[:, None]).squeeze(1),
+        "sum_p2": (p * p).sum(-1),
+        "entropy": -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1),
+    }
+    if topk_ids is not None:
+        out["topk_logp"] = logq.gather(1, topk_ids)
+    return out
+
+
+def grad_tol(dtype: torch.dtype, zmax: float, gmax: float) -> dict:
+    """Gradient ``g (e_k - p) / T``: ``p = exp(z - lse)`` carries a relative error of a few
+    ulps of ``zmax`` (compute dtype), then one rounding into the logits' dtype."""
+    ceps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    oeps = torch.finfo(dtype).eps
+    rtol = 2 * oeps + 8 * ceps * zmax
+    # absolute: the e_k - p_k cancellation at the sampled token
+    return {"atol": gmax * (8 * ceps * zmax + 64 * ceps), "rtol": rtol}
+
+
+def zmax_of(logits, temperature=1.0) -> float:
+    a = logits.double().abs()
+    return max(float(a[torch.isfinite(a)].max()) / temperature, 1.0) if a.numel() else 1.0
+
+
+def assert_agree(got, want, dtype, keys=KEYS, rows=None, zmax=10.0):
+    t = tol(dtype, zmax)
+    for k in keys:
+        if k not in want:
+            assert k not in got, k
+            continue
+        a, b = got[k].detach().double(), want[k].detach().double()
+        if rows is not None:
+            a, b = a[rows], b[rows]
+        torch.testing.assert_close(a, b, **t, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class AllocRecorder(TorchDispatchMode):
+    """Records the element count of every fresh tensor an op returns (views, in-place and
+    out= results share storage with an input and are not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in ins:
+                self.sizes.append((func.__name__, t.numel()))
+        return out
