@@ -112,15 +112,22 @@ def loss_time_ratio(cfg: TrainConfig, mode_a: str, mode_b: str, *, reps: int = 1
     for r in range(reps + 2):
         order = (mode_a, mode_b) if r % 2 == 0 else (mode_b, mode_a)
         for m in order:
+            _sync(cfg.device)
             t = time.perf_counter()
             out = compute_loss(S.model, sub, adv[idx], cfgs[m])
             out.loss.backward()
             S.model.zero_grad(set_to_none=True)
+            _sync(cfg.device)
             if r >= 2:  # two warm-up rounds
                 times[m].append(time.perf_counter() - t)
     a, b = statistics.median(times[mode_a]), statistics.median(times[mode_b])
     return {"mode_a": mode_a, "mode_b": mode_b, "median_a_s": a, "median_b_s": b, "ratio": b / a,
             "reps": reps, "tokens": int(sub.response_mask.sum())}
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: list[float] | None = None,

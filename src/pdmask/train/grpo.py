@@ -247,7 +247,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
             for k, v in mets.items():
                 names.append(k)
                 vals.append(torch.stack([x.float() for x in v]).sum() if k.startswith("num_") else _mean(v))
-            rec = dict(zip(names, torch.stack([v.float() for v in vals]).tolist()))
+            dev = batch.sequences.device  # one device, one host sync for the whole record
+            rec = dict(zip(names, torch.stack([v.float().to(dev) for v in vals]).tolist()))
             ntok = sum(rlens)
             rec.update({"step": step + 1, "engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0,
                         "time_update_s": t2 - t1, "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
