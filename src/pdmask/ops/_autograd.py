@@ -23,12 +23,7 @@ class FusedRowStats(torch.autograd.Function):
         out = backend.forward(logits, sampled_ids, topk_ids, temperature=temperature, **_kw(backend, chunk_rows))
         ctx.save_for_backward(logits, sampled_ids, out["lse"])
         ctx.temperature, ctx.chunk_rows, ctx.backend = temperature, chunk_rows, backend
-        tk = out.get("topk_logp")
-        if tk is None:
-            tk = out["lse"].new_empty(0)
-        res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
-        ctx.mark_non_differentiable(res[0], *res[2:])
-        return res
+        return outputs_tuple(ctx, out)
 
     @staticmethod
     @once_differentiable
@@ -37,6 +32,19 @@ class FusedRowStats(torch.autograd.Function):
         grad = ctx.backend.backward(logits, ids, lse, g_logp, temperature=ctx.temperature,
                                     **_kw(ctx.backend, ctx.chunk_rows))
         return grad, None, None, None, None, None
+
+
+def outputs_tuple(ctx, out: dict) -> tuple:
+    """The op's dict as the Function's output tuple; only ``logp`` is differentiable.
+
+    An absent ``topk_logp`` travels as an empty tensor (a Function cannot return None
+    next to tensors that need marking)."""
+    tk = out.get("topk_logp")
+    if tk is None:
+        tk = out["lse"].new_empty(0)
+    res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
+    ctx.mark_non_differentiable(res[0], *res[2:])
+    return res
 
 
 def _kw(backend, chunk_rows) -> dict:

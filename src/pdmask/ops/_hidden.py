@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ._autograd import outputs_tuple
+
 #: Elements of one (N, Vc) float32 chunk of logits.
 CHUNK_ELEMENTS = 1 << 22
 
@@ -116,12 +118,7 @@ class HiddenRowStats(torch.autograd.Function):
         out = forward(h, W, sampled_ids, topk_ids, temperature=temperature, chunk_cols=chunk_cols)
         ctx.save_for_backward(h, W, sampled_ids, out["lse"])
         ctx.temperature, ctx.chunk_cols = temperature, chunk_cols
-        tk = out.get("topk_logp")
-        if tk is None:
-            tk = out["lse"].new_empty(0)
-        res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
-        ctx.mark_non_differentiable(res[0], *res[2:])
-        return res
+        return outputs_tuple(ctx, out)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
