@@ -203,7 +203,8 @@ def _common(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk
         raise ValueError("advantages: contains NaN on response tokens")
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
     chunk_rows_for(batch.vocab_size, chunk_size)  # validates chunk_size
-    stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl)
+    stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
+                             validate=validate)
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return mode_obj, th, batch, adv, stats, res
 

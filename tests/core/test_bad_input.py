@@ -113,3 +113,10 @@ def test_register_mode_is_a_few_lines_and_refuses_duplicates():
             register_mode(mode)
     finally:
         pdmask.MODES.pop("pdm-binary-kl-test")
+
+
+def test_validate_false_skips_the_checks_and_their_host_sync():
+    """validate=False is the trusted hot path: the finite-row check (a host sync) is not made."""
+    with pytest.raises(ValueError, match="^logits:"):
+        call(logits=torch.full((2, 3, 10), -math.inf))
+    call(logits=torch.full((2, 3, 10), -math.inf), validate=False)  # no raise, no sync
