@@ -12,7 +12,8 @@ Public API (pure tensor functions):
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
 """
 
-from .directions import ESTIMATORS, ddot_autograd
+from .directions import ddot_autograd
+from .keys import ESTIMATORS, ddot_key
 from .loss import PolicyLossOutput, aggregate, policy_loss, token_loss, trust_region_mask
 from .masks import (
     MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate",
-    "ddot_autograd", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
+    "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
     "predictive", "ratio_direction", "ratio_region", "register_mode", "token_loss",
     "token_stats", "trust_region_mask",
 ]

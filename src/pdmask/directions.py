@@ -35,8 +35,7 @@ from typing import Callable
 import torch
 
 from .divergences import Support
-
-ESTIMATORS = ("exact", "aggregated", "uniform", "truncated")
+from .keys import ESTIMATORS
 
 
 def tail_p2(s: Support, estimator: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch
 
 from ._validate import check_choice, check_positive
-from .directions import ESTIMATORS
+from .keys import ESTIMATORS, ddot_key
 
 Stats = Mapping[str, torch.Tensor]
 
@@ -41,10 +41,6 @@ class Thresholds:
 
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
 Direction = Callable[[Stats, str], torch.Tensor]
-
-#: Divergence keys whose Ddot depends on the top-K estimator.
-_TOPK_DIVS = ("topk_kl", "topk_tv")
-
 
 def _by_sign(adv: torch.Tensor, value: torch.Tensor, low, high) -> torch.Tensor:
     return ((adv > 0) & (value > high)) | ((adv < 0) & (value > low))
@@ -73,10 +69,6 @@ def ratio_region() -> Region:
 def ratio_direction() -> Direction:
     """Outward iff ``A (r - 1) > 0`` (PPO, DPPO)."""
     return lambda stats, estimator: stats["log_ratio"]
-
-
-def ddot_key(divergence: str, estimator: str) -> str:
-    return f"ddot_{divergence}_{estimator}" if divergence in _TOPK_DIVS else f"ddot_{divergence}"
 
 
 def predictive(divergence: str) -> Direction:

@@ -21,6 +21,7 @@ import torch
 from . import directions as dirs
 from . import divergences as divs
 from ._validate import Batch, check_positive, prepare
+from .keys import ESTIMATORS, ddot_key
 
 #: Default chunk budget in elements: 16 M (64 MiB of float32 per temporary).
 CHUNK_ELEMENTS = 1 << 24
@@ -207,9 +208,9 @@ def stats_from_batch(
             "tail_clamped": sup.mu_tail_clamped,
             "sampled_in_topk": sup.k_col < batch.topk_ids.shape[1],
         })
-        for est in dirs.ESTIMATORS:
-            st[f"ddot_topk_kl_{est}"] = dirs.ddot_topk_kl(sup, est)
-            st[f"ddot_topk_tv_{est}"] = dirs.ddot_topk_tv(sup, est)
+        for est in ESTIMATORS:
+            st[ddot_key("topk_kl", est)] = dirs.ddot_topk_kl(sup, est)
+            st[ddot_key("topk_tv", est)] = dirs.ddot_topk_tv(sup, est)
     if batch.rollout_logits is not None:
         st.update({
             "full_kl": red["full_kl"],
