@@ -60,9 +60,10 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
 def _backend(name: str, logits: torch.Tensor):
     if name == "torch":
         return _torch
-    check_device(logits)  # before importing triton: CPU tensors need the interpreter
     if not triton_available():
-        raise ValueError("impl: 'triton' needs the optional triton package (pip install 'pdmask[triton]')")
+        where = "" if logits.is_cuda else " and CUDA logits (on CPU use impl='torch' or 'auto')"
+        raise ValueError(f"impl: 'triton' needs the optional triton package (pip install 'pdmask[triton]'){where}")
+    check_device(logits)  # before importing triton: CPU tensors need the interpreter
     from . import _kernel  # lazy: imports triton
 
     return _kernel
