@@ -64,8 +64,8 @@ def _tail_mean_pi(s: Support, p2: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- ratio
-def ratio_direction(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
-    """Signed ratio direction ``log r = log pi_k - log mu_k`` (same sign as ``r - 1``)."""
+def log_ratio(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+    """``log r = log pi_k - log mu_k``: the ratio direction's signed value (sign of ``r - 1``)."""
     return logp - rollout_logp
 
 
