@@ -136,7 +136,7 @@ def ddot_full_kl(logp, full_mu_k, sum_p_mu, sum_p2) -> torch.Tensor:
 
 def ddot_full_tv(logp, full_mu_k, sum_p_s, sum_p2_s, sum_p2) -> torch.Tensor:
     """``pi_k (s_k - sbar) - sum_i pi_i^2 (s_i - sbar)`` with ``s = 1/2 sign(pi - mu)``,
-    ``sbar = sum_i pi_i s_i`` (the reductions are made by :mod:`pdmask.stats`)."""
+    ``sbar = sum_i pi_i s_i`` (the reductions are made by :mod:`pdmask.ops`)."""
     pk = logp.exp()
     s_k = 0.5 * torch.sign(pk - full_mu_k)
     return pk * (s_k - sum_p_s) - (sum_p2_s - sum_p_s * sum_p2)

@@ -1,7 +1,8 @@
 """Per-token divergences between the rollout policy mu and the trained policy pi.
 
-All functions take (N,) / (N, K) tensors that :mod:`pdmask.stats` reduced from the
-logits; none of them touches the vocabulary dimension. METHOD.md section 3.
+All functions take (N,) / (N, K) tensors that :func:`pdmask.ops.row_stats` reduced from
+the logits (called by :mod:`pdmask.stats`); none of them touches the vocabulary
+dimension. METHOD.md section 3.
 
 Conventions: every divergence is measured from the behaviour policy, D(mu || pi).
 ``0 log 0 = 0``; log pi is floored at ``log(tiny)`` of the compute dtype so a token the

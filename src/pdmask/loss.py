@@ -90,6 +90,13 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ per token
+def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
+    """The detached IS weight ``min(r, C)`` of the DPPO surrogate, ``C = is_cap`` (``inf``:
+    no cap but :data:`~pdmask.stats.MAX_LOG_RATIO`). Naive: ``log_ratio.exp().clamp(max=C)``."""
+    max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
+    return log_ratio.detach().clamp(max=max_log_w).exp()
+
+
 def token_loss(
     logp: torch.Tensor,  # (N,) differentiable log pi_k
     log_ratio: torch.Tensor,  # (N,) detached log pi_k - log mu_k
@@ -112,9 +119,7 @@ def token_loss(
     logp = torch.where(torch.isneginf(logp), torch.full_like(logp, floor), logp)
     log_ratio = torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio)
     if surrogate == "dppo":
-        max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
-        w = log_ratio.detach().clamp(max=max_log_w).exp()  # min(r, C), detached
-        per = -w * adv * logp
+        per = -is_weight(log_ratio, is_cap) * adv * logp
         return torch.where(keep, per, torch.zeros_like(per)), keep
     if surrogate == "ppo-clip":
         # r with value exp(log_ratio) and gradient r * grad(log pi_k)
