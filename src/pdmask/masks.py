@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch
 
 from ._validate import check_choice, check_positive
-from .keys import ESTIMATORS, ddot_key
+from .keys import DIVERGENCES, ESTIMATORS, ddot_key
 
 Stats = Mapping[str, torch.Tensor]
 
@@ -80,6 +80,7 @@ def ratio_sign() -> Direction:
 def predictive(divergence: str) -> Direction:
     """The predictive direction test: outward iff ``A * Ddot > 0`` for the named divergence
     (top-K ones use the estimator). A factory of a :data:`Direction` for :class:`MaskMode`."""
+    check_choice("divergence", divergence, DIVERGENCES)
     return lambda stats, estimator: stats[ddot_key(divergence, estimator)]
 
 
@@ -131,6 +132,7 @@ def check_mode(mode: MaskMode) -> None:
     if mode.direction is not None and not callable(mode.direction):
         raise ValueError(f"direction: mode {mode.name!r} needs a callable direction(stats, estimator) or None, "
                          f"got {mode.direction!r}")
+    check_choice("divergence", mode.divergence, DIVERGENCES)
     check_choice("surrogate", mode.surrogate, SURROGATES)
     for need in mode.needs:
         check_choice("needs", need, NEEDS)

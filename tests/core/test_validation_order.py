@@ -56,6 +56,7 @@ BAD_LOSS_ARGS = [
     ("rollout_logits", dict(mode="pdm-full-kl")),  # the mode needs mu's full logits
     ("surrogate", dict(mode=pdmask.MaskMode("x", pdmask.ratio_region(), pdmask.ratio_sign(), "binary_kl",
                                             surrogate="ppo"))),
+    ("divergence", dict(mode=pdmask.MaskMode("x", pdmask.ratio_region(), pdmask.ratio_sign(), "binary_kld"))),
 ]
 
 
@@ -85,6 +86,11 @@ def test_trust_region_mask_checks_before_reducing(no_logits, name, kw):
 def test_token_stats_checks_before_reducing(no_logits, name, kw):
     with pytest.raises(ValueError, match=f"^{name}:"):
         pdmask.token_stats(*_args()[:5], **kw)
+
+
+def test_predictive_refuses_an_unknown_divergence_when_built():
+    with pytest.raises(ValueError, match="^divergence: unknown value 'topk_kld'"):
+        pdmask.predictive("topk_kld")
 
 
 def test_register_mode_refuses_a_mode_without_a_region():
