@@ -9,7 +9,7 @@ Rows (forward unless marked):
   logp-only        torch.logsumexp(x.float()) + gather: log pi_k only (the cost to beat)
   logp-only-chunk  the same in the fused path's row chunks (a stricter floor: no (N, V) temporary)
   naive-fp32       every statistic from a float32 log_softmax of the whole tensor
-  reference        pdmask.stats.reduce_rows (the core's plain chunked reference)
+  reference        pdmask.ops._reference.reduce_rows (the core's plain chunked reference)
   fused            pdmask.ops.row_stats(impl="torch"): lse, logp, sum_p2, entropy, top-K log-probs
   *+bwd            forward and the backward of sum(g * log pi_k)
 
@@ -35,7 +35,7 @@ from _common import (  # noqa: E402
 
 from pdmask import ops  # noqa: E402
 from pdmask.ops import _torch  # noqa: E402
-from pdmask.stats import SampledLogprob, reduce_rows  # noqa: E402
+from pdmask.ops._reference import SampledLogprob, reduce_rows  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

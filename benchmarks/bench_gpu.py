@@ -8,7 +8,7 @@ by side in one run, after a correctness check of every shape against the referen
 Rows (bf16 logits, K = 20):
   floor        torch.amax(logits, -1): one bf16 read of the logits
   naive-fp32   every statistic from a float32 log_softmax of the whole tensor
-  reference    pdmask.stats.reduce_rows (plain chunked torch, the core's oracle)
+  reference    pdmask.ops._reference.reduce_rows (plain chunked torch, the core's oracle)
   torch-fused  pdmask.ops.row_stats(impl="torch") (the CPU path, run on the GPU)
   triton       pdmask.ops.row_stats(impl="triton"): lse, logp, sum_p2, entropy, top-K log-probs
   *+bwd        forward and the backward of sum(g * log pi_k) (logp-only+bwd: plain
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Sink, logp_only, make_inputs, naive_all  # noqa: E402
 
 from pdmask import ops  # noqa: E402
-from pdmask.stats import SampledLogprob, reduce_rows  # noqa: E402
+from pdmask.ops._reference import SampledLogprob, reduce_rows  # noqa: E402
 
 KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
 

@@ -7,7 +7,9 @@ Public API (pure tensor functions):
 - :func:`trust_region_mask` — the keep mask alone.
 - :func:`token_stats` — every per-token statistic (log pi_k, ratio, divergences,
   direction derivatives) for analysis.
-- :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry.
+- :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry, with the
+  building blocks of a mode: regions :func:`divergence_region`, :func:`ratio_region`;
+  direction tests :func:`predictive`, :func:`ratio_sign` (was ``ratio_direction``).
 - :func:`aggregate` — verl's loss aggregation modes.
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
 """
@@ -17,7 +19,7 @@ from .keys import ESTIMATORS, ddot_key
 from .loss import PolicyLossOutput, aggregate, policy_loss, token_loss, trust_region_mask
 from .masks import (
     MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
-    ratio_direction, ratio_region, register_mode,
+    ratio_region, ratio_sign, register_mode,
 )
 from .stats import token_stats
 
@@ -26,6 +28,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate",
     "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
-    "predictive", "ratio_direction", "ratio_region", "register_mode", "token_loss",
+    "predictive", "ratio_region", "ratio_sign", "register_mode", "token_loss",
     "token_stats", "trust_region_mask",
 ]

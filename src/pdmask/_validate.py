@@ -56,6 +56,12 @@ def check_positive(name: str, value: float, allow_inf: bool = False) -> None:
         _fail(name, f"must be finite, got {value!r}")
 
 
+def check_chunk_size(name: str, value, what: str = "rows per chunk") -> None:
+    """``value`` is None (the implementation's default) or a positive int."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        _fail(name, f"must be a positive int ({what}), got {value!r}")
+
+
 def check_choice(name: str, value: str, valid) -> None:
     if value not in valid:
         _fail(name, f"unknown value {value!r}; valid values are: {', '.join(valid)}")

@@ -64,8 +64,8 @@ def _tail_mean_pi(s: Support, p2: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- ratio
-def ratio_direction(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
-    """Signed ratio direction ``log r = log pi_k - log mu_k`` (same sign as ``r - 1``)."""
+def log_ratio(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+    """``log r = log pi_k - log mu_k``: the ratio direction's signed value (sign of ``r - 1``)."""
     return logp - rollout_logp
 
 
@@ -136,7 +136,7 @@ def ddot_full_kl(logp, full_mu_k, sum_p_mu, sum_p2) -> torch.Tensor:
 
 def ddot_full_tv(logp, full_mu_k, sum_p_s, sum_p2_s, sum_p2) -> torch.Tensor:
     """``pi_k (s_k - sbar) - sum_i pi_i^2 (s_i - sbar)`` with ``s = 1/2 sign(pi - mu)``,
-    ``sbar = sum_i pi_i s_i`` (the reductions are made by :mod:`pdmask.stats`)."""
+    ``sbar = sum_i pi_i s_i`` (the reductions are made by :mod:`pdmask.ops`)."""
     pk = logp.exp()
     s_k = 0.5 * torch.sign(pk - full_mu_k)
     return pk * (s_k - sum_p_s) - (sum_p2_s - sum_p_s * sum_p2)

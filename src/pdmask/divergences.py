@@ -1,7 +1,8 @@
 """Per-token divergences between the rollout policy mu and the trained policy pi.
 
-All functions take (N,) / (N, K) tensors that :mod:`pdmask.stats` reduced from the
-logits; none of them touches the vocabulary dimension. METHOD.md section 3.
+All functions take (N,) / (N, K) tensors that :func:`pdmask.ops.row_stats` reduced from
+the logits (called by :mod:`pdmask.stats`); none of them touches the vocabulary
+dimension. METHOD.md section 3.
 
 Conventions: every divergence is measured from the behaviour policy, D(mu || pi).
 ``0 log 0 = 0``; log pi is floored at ``log(tiny)`` of the compute dtype so a token the
@@ -16,14 +17,18 @@ from dataclasses import dataclass
 import torch
 
 
-def _floor_log(x: torch.Tensor) -> torch.Tensor:
-    """Floor a log-probability at log(smallest normal) of its dtype (-87.3 in fp32)."""
+def floor_log(x: torch.Tensor) -> torch.Tensor:
+    """Floor a log-probability at log(smallest normal) of its dtype (-87.3 in fp32).
+
+    The one floor of the divergences' logs: those here and the full-vocabulary KL of
+    :mod:`pdmask.ops`.
+    """
     return x.clamp(min=math.log(torch.finfo(x.dtype).tiny))
 
 
 def _xlog_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """p * (log p - log q) with 0 where p == 0 (also when logp is -inf)."""
-    val = p * (_floor_log(logp) - _floor_log(logq))
+    val = p * (floor_log(logp) - floor_log(logq))
     return torch.where(p > 0, val, torch.zeros_like(val))
 
 
@@ -31,7 +36,7 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(logp)) for logp <= 0, accurate near 0 and near -inf; floored."""
     x = logp.clamp(max=0.0)
     out = torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-    return _floor_log(out)
+    return floor_log(out)
 
 
 # --------------------------------------------------------------------------- binary
@@ -47,7 +52,7 @@ def binary_kl(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
     ``log1mexp`` so that pi_k -> 1 or mu_k -> 1 stays finite.
     """
     mu = rollout_logp.exp()
-    a = mu * (rollout_logp - _floor_log(logp))
+    a = mu * (rollout_logp - floor_log(logp))
     b = _xlog_ratio(-torch.expm1(rollout_logp), log1mexp(rollout_logp), log1mexp(logp))
     return (a + b).clamp(min=0.0)
 

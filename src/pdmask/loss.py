@@ -11,7 +11,8 @@ The ``grpo`` mode uses the PPO clipped surrogate on the same ratio
     loss_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
     loss_t = min(loss_t, -A C)   if A < 0   (dual clip, verl's clip_ratio_c = is_cap)
 
-whose gradient is ``-A r (e_k - pi) / T`` on kept tokens and 0 on clipped ones.
+whose gradient is ``-A r (e_k - pi) / T`` on kept tokens and 0 on clipped ones. Every
+exponentiated log-ratio is capped at ``exp(MAX_LOG_RATIO)`` (:data:`pdmask.stats.MAX_LOG_RATIO`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import LOSS_AGGS, check_choice, check_positive, prepare
+from . import ops
+from ._validate import LOSS_AGGS, Batch, check_choice, check_chunk_size, check_positive, prepare
+from .keys import ESTIMATORS
 from .masks import (
-    MaskMode, MaskResult, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
+    SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
-from .stats import chunk_rows_for, stats_from_batch, unflatten
-
-#: Largest log-ratio turned into an IS weight when ``is_cap`` is inf (exp(50) ~ 5e21).
-_MAX_LOG_W = 50.0
+from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
 
 
 # ------------------------------------------------------------------ aggregation
@@ -90,6 +90,13 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ per token
+def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
+    """The detached IS weight ``min(r, C)`` of the DPPO surrogate, ``C = is_cap`` (``inf``:
+    no cap but :data:`~pdmask.stats.MAX_LOG_RATIO`). Naive: ``log_ratio.exp().clamp(max=C)``."""
+    max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
+    return log_ratio.detach().clamp(max=max_log_w).exp()
+
+
 def token_loss(
     logp: torch.Tensor,  # (N,) differentiable log pi_k
     log_ratio: torch.Tensor,  # (N,) detached log pi_k - log mu_k
@@ -112,20 +119,18 @@ def token_loss(
     logp = torch.where(torch.isneginf(logp), torch.full_like(logp, floor), logp)
     log_ratio = torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio)
     if surrogate == "dppo":
-        max_log_w = min(math.log(is_cap), _MAX_LOG_W) if math.isfinite(is_cap) else _MAX_LOG_W
-        w = log_ratio.detach().clamp(max=max_log_w).exp()  # min(r, C), detached
-        per = -w * adv * logp
+        per = -is_weight(log_ratio, is_cap) * adv * logp
         return torch.where(keep, per, torch.zeros_like(per)), keep
     if surrogate == "ppo-clip":
         # r with value exp(log_ratio) and gradient r * grad(log pi_k)
-        r = (logp - logp.detach() + log_ratio.detach()).clamp(max=_MAX_LOG_W).exp()
+        r = (logp - logp.detach() + log_ratio.detach()).clamp(max=MAX_LOG_RATIO).exp()
         per = torch.maximum(-adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high))
         dual = (adv < 0) & (r.detach() > is_cap)  # never true when is_cap is inf
         if math.isfinite(is_cap):
             per = torch.where(dual, -adv * is_cap, per)
         # Clipped tokens keep their (constant) PPO value; their gradient is 0.
         return per, keep & ~dual
-    raise ValueError(f"surrogate: unknown value {surrogate!r}; valid values are: dppo, ppo-clip")
+    raise ValueError(f"surrogate: unknown value {surrogate!r}; valid values are: {', '.join(SURROGATES)}")
 
 
 # ------------------------------------------------------------------ metrics
@@ -189,11 +194,28 @@ def _broadcast_adv(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
     raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
 
 
-def _common(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-            advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
-            eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto"):
+@dataclass
+class MaskedBatch:
+    """What :func:`trust_region_mask` and :func:`policy_loss` share: the inputs checked and
+    flattened, the statistics and the mask decision (all (N,) rows)."""
+
+    mode: MaskMode
+    thresholds: Thresholds
+    batch: Batch  # flattened, sanitised inputs
+    advantages: torch.Tensor  # (N,) 0 on padding
+    stats: dict  # stats_from_batch output
+    mask: MaskResult
+
+
+def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
+                advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
+                eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto") -> MaskedBatch:
+    # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
+    check_choice("estimator", estimator, ESTIMATORS)
     check_positive("temperature", temperature)
+    check_chunk_size("chunk_size", chunk_size)
+    ops.check_impl(impl)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
     check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None)
     batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
@@ -202,11 +224,10 @@ def _common(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk
     if validate and bool(torch.isnan(adv[batch.valid]).any()):
         raise ValueError("advantages: contains NaN on response tokens")
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
-    chunk_rows_for(batch.vocab_size, chunk_size)  # validates chunk_size
     stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
                              validate=validate)
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
-    return mode_obj, th, batch, adv, stats, res
+    return MaskedBatch(mode_obj, th, batch, adv, stats, res)
 
 
 def trust_region_mask(
@@ -225,12 +246,12 @@ def trust_region_mask(
         D = token_stats(...)["topk_kl"]; Dd = token_stats(...)["ddot_topk_kl_exact"]
         M = ~((D > where(A > 0, delta_high, delta_low)) & (A * Dd > 0))
     """
-    *_, batch, _, _, res = _common(
+    mb = _mask_batch(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
         chunk_size=chunk_size, validate=validate, impl=impl)
-    return (res.keep | ~batch.valid).reshape(batch.lead_shape)
+    return (mb.mask.keep | ~mb.batch.valid).reshape(mb.batch.lead_shape)
 
 
 def policy_loss(
@@ -276,12 +297,13 @@ def policy_loss(
     """
     check_positive("is_cap", is_cap, allow_inf=True)
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
-    mode_obj, th, batch, adv, stats, res = _common(
+    mb = _mask_batch(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
         chunk_size=chunk_size, validate=validate, impl=impl)
-    per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mode_obj.surrogate,
+    batch, adv, stats, res, th = mb.batch, mb.advantages, mb.stats, mb.mask, mb.thresholds
+    per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mb.mode.surrogate,
                                is_cap=is_cap, eps_low=th.eps_low, eps_high=th.eps_high)
     lead = batch.lead_shape
     per2 = per.reshape(lead) if len(lead) == 2 else per.reshape(1, -1)

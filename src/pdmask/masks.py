@@ -10,8 +10,8 @@ A token is masked (``M = 0``) iff it is **out of the region** and its update is
   ``r`` outside ``[1 - eps_low, 1 + eps_high]``. Tokens with ``A = 0`` are never out
   (their update is zero).
 - ``direction(stats, estimator)`` -> signed (N,): the update is outward iff
-  ``A * direction > 0``. ``ratio`` is ``log r`` (PPO, DPPO); ``predictive(div)`` is
-  ``Ddot`` of that divergence (this project); ``None`` never masks.
+  ``A * direction > 0``. ``ratio_sign()`` is ``log r`` (PPO, DPPO); ``predictive(div)``
+  is ``Ddot`` of that divergence (this project); ``None`` never masks.
 
 Adding a mode is one :func:`register_mode` call.
 """
@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch
 
 from ._validate import check_choice, check_positive
-from .keys import ESTIMATORS, ddot_key
+from .keys import DIVERGENCES, ESTIMATORS, ddot_key
 
 Stats = Mapping[str, torch.Tensor]
 
@@ -40,6 +40,9 @@ class Thresholds:
 
 
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
+#: Surrogates a mode may name (see :func:`pdmask.loss.token_loss`).
+SURROGATES = ("dppo", "ppo-clip")
+NEEDS = ("topk", "full")
 Direction = Callable[[Stats, str], torch.Tensor]
 
 def _by_sign(adv: torch.Tensor, value: torch.Tensor, low, high) -> torch.Tensor:
@@ -66,13 +69,18 @@ def ratio_region() -> Region:
     return region
 
 
-def ratio_direction() -> Direction:
-    """Outward iff ``A (r - 1) > 0`` (PPO, DPPO)."""
+def ratio_sign() -> Direction:
+    """The ratio direction test: outward iff ``A (r - 1) > 0``, the sign of ``log r`` (PPO, DPPO).
+
+    A factory of a :data:`Direction` for :class:`MaskMode` (the tensor ``log r`` itself is
+    :func:`pdmask.directions.log_ratio`)."""
     return lambda stats, estimator: stats["log_ratio"]
 
 
 def predictive(divergence: str) -> Direction:
-    """Outward iff ``A * Ddot > 0`` for the named divergence (top-K ones use the estimator)."""
+    """The predictive direction test: outward iff ``A * Ddot > 0`` for the named divergence
+    (top-K ones use the estimator). A factory of a :data:`Direction` for :class:`MaskMode`."""
+    check_choice("divergence", divergence, DIVERGENCES)
     return lambda stats, estimator: stats[ddot_key(divergence, estimator)]
 
 
@@ -109,14 +117,31 @@ MODES: dict[str, MaskMode] = {}
 
 def register_mode(mode: MaskMode, *, overwrite: bool = False) -> MaskMode:
     """Add a mode to the registry (``overwrite=True`` to replace one)."""
+    check_mode(mode)
     if mode.name in MODES and not overwrite:
         raise ValueError(f"mode: {mode.name!r} is already registered (pass overwrite=True to replace it)")
     MODES[mode.name] = mode
     return mode
 
 
+def check_mode(mode: MaskMode) -> None:
+    """A mode's fields are usable (callable region and direction, known surrogate and needs)."""
+    if not callable(mode.region):
+        raise ValueError(f"region: mode {mode.name!r} needs a callable region(stats, adv, thresholds), "
+                         f"got {mode.region!r}")
+    if mode.direction is not None and not callable(mode.direction):
+        raise ValueError(f"direction: mode {mode.name!r} needs a callable direction(stats, estimator) or None, "
+                         f"got {mode.direction!r}")
+    check_choice("divergence", mode.divergence, DIVERGENCES)
+    check_choice("surrogate", mode.surrogate, SURROGATES)
+    for need in mode.needs:
+        check_choice("needs", need, NEEDS)
+
+
 def get_mode(name: str) -> MaskMode:
+    """The registered mode of that name; a :class:`MaskMode` is checked and returned as is."""
     if isinstance(name, MaskMode):
+        check_mode(name)
         return name
     if name not in MODES:
         raise ValueError(f"mode: unknown mode {name!r}; valid modes are: {', '.join(MODES)}")
@@ -125,17 +150,17 @@ def get_mode(name: str) -> MaskMode:
 
 _TOPK, _FULL = frozenset({"topk"}), frozenset({"full"})
 for _m in [
-    MaskMode("grpo", ratio_region(), ratio_direction(), "topk_kl", surrogate="ppo-clip",
+    MaskMode("grpo", ratio_region(), ratio_sign(), "topk_kl", surrogate="ppo-clip",
              doc="PPO/GRPO ratio clip [1-eps_low, 1+eps_high] (clip-higher: raise eps_high)"),
     MaskMode("none", divergence_region("topk_kl"), None, "topk_kl",
              doc="IS-weighted policy gradient, no trust region (regions reported only)"),
-    MaskMode("dppo-binary-tv", divergence_region("binary_tv"), ratio_direction(), "binary_tv",
+    MaskMode("dppo-binary-tv", divergence_region("binary_tv"), ratio_sign(), "binary_tv",
              default_delta=0.15, doc="DPPO: |pi_k - mu_k| > delta, ratio direction"),
-    MaskMode("dppo-binary-kl", divergence_region("binary_kl"), ratio_direction(), "binary_kl",
+    MaskMode("dppo-binary-kl", divergence_region("binary_kl"), ratio_sign(), "binary_kl",
              doc="DPPO: Bernoulli KL of the sampled token > delta, ratio direction"),
-    MaskMode("dppo-topk-kl", divergence_region("topk_kl"), ratio_direction(), "topk_kl", needs=_TOPK,
+    MaskMode("dppo-topk-kl", divergence_region("topk_kl"), ratio_sign(), "topk_kl", needs=_TOPK,
              doc="DPPO: top-K KL > delta, ratio direction"),
-    MaskMode("dppo-topk-tv", divergence_region("topk_tv"), ratio_direction(), "topk_tv", needs=_TOPK,
+    MaskMode("dppo-topk-tv", divergence_region("topk_tv"), ratio_sign(), "topk_tv", needs=_TOPK,
              default_delta=0.15, doc="DPPO: top-K TV > delta, ratio direction"),
     MaskMode("pdm-topk-kl", divergence_region("topk_kl"), predictive("topk_kl"), "topk_kl", needs=_TOPK,
              doc="predictive mask: top-K KL > delta and A*Ddot > 0"),
@@ -188,9 +213,9 @@ def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: 
     check_choice("estimator", estimator, ESTIMATORS)
     adv = advantages.to(stats["log_ratio"].dtype)
     div = diagnostic_divergence(mode, stats)
-    if mode.region is None:
-        out = torch.zeros_like(adv, dtype=torch.bool)
-    elif getattr(mode.region, "divergence", None) is not None and mode.region.divergence not in stats:
+    if getattr(mode.region, "divergence", None) is not None and mode.region.divergence not in stats:
+        # a divergence region whose divergence was not computed (``none`` without top-K):
+        # the diagnostic divergence stands in
         out = divergence_region(div)(stats, adv, thresholds)
     else:
         out = mode.region(stats, adv, thresholds)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.stats import FULL_KEYS
+from pdmask.ops import FULL_KEYS
 
 
 def _batch(dtype, *, B=3, T=6, V=64, K=5, seed=0, temperature=1.0):

@@ -9,7 +9,7 @@ from _ops_cases import assert_agree, grad_tol, zmax_of
 
 import pdmask
 from pdmask import ops
-from pdmask.stats import reduce_rows
+from pdmask.ops._reference import reduce_rows
 
 pytestmark = [
     pytest.mark.gpu,

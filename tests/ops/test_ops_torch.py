@@ -8,7 +8,7 @@ import torch
 from _ops_cases import KEYS, assert_agree, make_ids, make_logits, grad_tol, naive, tol, zmax_of
 
 from pdmask import ops
-from pdmask.stats import SampledLogprob, reduce_rows
+from pdmask.ops._reference import SampledLogprob, reduce_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 

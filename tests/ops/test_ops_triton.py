@@ -12,7 +12,7 @@ from _ops_cases import KEYS, assert_agree, grad_tol, make_ids, make_logits, naiv
 
 import pdmask
 from pdmask import ops
-from pdmask.stats import reduce_rows
+from pdmask.ops._reference import reduce_rows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..directions import ESTIMATORS
-from ..stats import chunk_rows_for, compute_dtype
+from ..keys import ESTIMATORS, ddot_key
+from ..ops import chunk_rows_for, compute_dtype
 
 RATIO = "ratio"
 FULL = "pred-full"
@@ -41,8 +41,8 @@ def criterion_values(stats: dict, family: str) -> dict[str, torch.Tensor]:
     """Signed criterion values (same shape as the stats) for every criterion of the family."""
     out = {RATIO: stats["log_ratio"].detach()}
     for est in ESTIMATORS:
-        out[predictive_name(est)] = stats[f"ddot_topk_{family}_{est}"].detach()
-    out[FULL] = stats[f"ddot_full_{family}"].detach()
+        out[predictive_name(est)] = stats[ddot_key(f"topk_{family}", est)].detach()
+    out[FULL] = stats[ddot_key(f"full_{family}")].detach()
     return out
 
 

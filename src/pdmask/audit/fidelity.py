@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..directions import ESTIMATORS
+from ..keys import ESTIMATORS, ddot_key
 from ..stats import token_stats
 from .rates import _stat
 
@@ -48,12 +48,12 @@ def fidelity_counts(
     rlp = logm.gather(-1, sampled_ids[..., None].long()).squeeze(-1)
     full = token_stats(logits.detach(), sampled_ids, rlp, response_mask=response_mask,
                        rollout_logits=rollout_logits, temperature=temperature)
-    full_dir = torch.sign(full[f"ddot_full_{family}"])
+    full_dir = torch.sign(full[ddot_key(f"full_{family}")])
     out = {name: {"K": {}, "sums": {}, "agg_vs_uniform": {}} for name in token_sets}
     for k in ks:
         st = token_stats(logits.detach(), sampled_ids, rlp, tk_ids[..., :k].contiguous(),
                          tk_lp[..., :k].contiguous(), response_mask=response_mask, temperature=temperature)
-        signs = {e: torch.sign(st[f"ddot_topk_{family}_{e}"]) for e in ESTIMATORS}
+        signs = {e: torch.sign(st[ddot_key(f"topk_{family}", e)]) for e in ESTIMATORS}
         for name, S in token_sets.items():
             n = int(S.sum())
             rows = torch.stack([(S & (signs[e] == full_dir)).sum() for e in ESTIMATORS]

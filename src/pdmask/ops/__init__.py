@@ -1,8 +1,11 @@
-"""Fused per-token statistics: every row reduction the masks need in one read of the logits.
+"""Per-token row statistics: every reduction over the vocabulary that the library makes.
 
-:func:`row_stats` returns the same dict as the reference :func:`pdmask.stats.reduce_rows`
-(``lse``, ``logp``, ``sum_p2``, ``entropy``, ``topk_logp``), with ``logp`` differentiable
-through an ``autograd.Function`` whose backward is ``g (e_k - softmax(z / T)) / T``.
+This package is the only code of the library that reads the (N, V) logits
+(:func:`hidden_row_stats` reads hidden states and the LM-head weight instead).
+:func:`row_stats` returns the dict of the reference :func:`._reference.reduce_rows`
+(``lse``, ``logp``, ``sum_p2``, ``entropy``, ``topk_logp``; with ``rollout_logits`` also
+the full-vocabulary :data:`FULL_KEYS`), with ``logp`` differentiable through an
+``autograd.Function`` whose backward is ``g (e_k - softmax(z / T)) / T``.
 
 Implementations, chosen by ``impl``:
 
@@ -11,8 +14,8 @@ Implementations, chosen by ``impl``:
 - ``"triton"``: a Triton kernel, one program per row, a single streaming pass with an
   online log-sum-exp and float32 accumulation (CUDA; or Triton's CPU interpreter when
   ``TRITON_INTERPRET=1``, for tests). Extra memory O(N K).
-- ``"reference"``: :func:`pdmask.stats.reduce_rows` + :class:`pdmask.stats.SampledLogprob`
-  (the plain test oracle).
+- ``"reference"``: :func:`._reference.reduce_rows` + :class:`._reference.SampledLogprob`
+  (the plain test oracle, :mod:`pdmask.ops._reference`).
 - ``"auto"`` (default): ``"triton"`` for CUDA logits in fp16/bf16/fp32 when Triton is
   installed, otherwise ``"torch"``. It never imports Triton for CPU tensors.
 
@@ -31,14 +34,16 @@ from functools import lru_cache
 
 import torch
 
-from .._validate import check_choice, check_positive
-from . import _torch
-from ._device import check_device
+from .._validate import check_choice, check_chunk_size, check_positive
+from . import _reference, _torch
 from ._autograd import KEYS, FusedRowStats
+from ._device import check_device
+from ._reference import FULL_KEYS, chunk_rows_for, compute_dtype
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
-__all__ = ["IMPLS", "KEYS", "FusedRowStats", "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
+__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "FusedRowStats", "check_impl", "chunk_rows_for", "compute_dtype",
+           "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
 
 
 @lru_cache(maxsize=1)
@@ -47,9 +52,14 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def check_impl(impl: str) -> None:
+    """``impl`` is one of :data:`IMPLS` (a ValueError naming it otherwise)."""
+    check_choice("impl", impl, IMPLS)
+
+
 def resolve_impl(impl: str, logits: torch.Tensor) -> str:
     """The implementation ``impl`` stands for on these logits (``"auto"`` resolved)."""
-    check_choice("impl", impl, IMPLS)
+    check_impl(impl)
     if impl != "auto":
         return impl
     if logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
@@ -69,7 +79,7 @@ def _backend(name: str, logits: torch.Tensor):
     return _kernel
 
 
-def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool) -> None:
+def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool, rollout_logits=None) -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 2:
         raise ValueError("logits: expected a floating-point (N, V) tensor, got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
@@ -87,9 +97,14 @@ def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool)
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if values and t.numel() and bool(((t < 0) | (t >= V)).any()):
             raise ValueError(f"{name}: ids must lie in [0, {V})")
+    if rollout_logits is not None and (not isinstance(rollout_logits, torch.Tensor)
+                                       or not rollout_logits.is_floating_point()
+                                       or tuple(rollout_logits.shape) != (N, V)):
+        raise ValueError(f"rollout_logits: expected a floating-point ({N}, {V}) tensor like logits, got "
+                         f"{getattr(rollout_logits, 'dtype', type(rollout_logits).__name__)} "
+                         f"{tuple(getattr(rollout_logits, 'shape', ()))}")
     check_positive("temperature", temperature)
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
-        raise ValueError(f"chunk_rows: must be a positive int (rows per chunk), got {chunk_rows!r}")
+    check_chunk_size("chunk_rows", chunk_rows)
 
 
 def row_stats(
@@ -101,6 +116,7 @@ def row_stats(
     chunk_rows: int | None = None,
     impl: str = "auto",
     validate: bool = True,
+    rollout_logits: torch.Tensor | None = None,  # (N, V)
 ) -> dict[str, torch.Tensor]:
     """Row statistics of ``pi = softmax(logits / temperature)``.
 
@@ -113,36 +129,44 @@ def row_stats(
         impl: ``"auto"``, ``"torch"``, ``"triton"`` or ``"reference"`` (module docstring).
         validate: check shapes and id ranges (one host sync). Out-of-range ids give NaN
             from the Triton kernel instead of an out-of-bounds read.
+        rollout_logits: (N, V) the rollout policy's full logits, same temperature
+            (simulation / oracle only), or None. Adds the :data:`FULL_KEYS`, in the same
+            pass over the logits for ``"torch"`` and ``"reference"``; ``"triton"`` takes
+            them from the reference (a second read of the logits).
 
     Returns ``lse`` (N,), ``logp`` (N,) = log pi_k (carries the gradient when ``logits``
     requires it), ``sum_p2`` (N,) = sum pi^2, ``entropy`` (N,) = -sum pi log pi, and with
     ``topk_ids`` ``topk_logp`` (N, K) = log pi at topk_ids; float32 (float64 for float64
-    logits; ``"triton"`` always float32).
+    logits; ``"triton"`` always float32). With ``rollout_logits`` also (detached)
+    ``full_kl``, ``full_tv``, ``full_mu_k`` = mu_k, ``sum_p_mu`` = sum pi mu,
+    ``sum_p_s`` = sum pi s and ``sum_p2_s`` = sum pi^2 s with ``s = 1/2 sign(pi - mu)``.
     """
-    _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values=validate)
+    _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values=validate, rollout_logits=rollout_logits)
     name = resolve_impl(impl, logits)
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
     if name == "reference":
-        return _reference(logits, ids, tk, temperature, chunk_rows)
+        return _reference.row_stats(logits, ids, tk, temperature=temperature, chunk_rows=chunk_rows,
+                                    rollout_logits=rollout_logits)
     backend = _backend(name, logits)
+    fused_full = rollout_logits if getattr(backend, "FUSES_FULL", False) else None
     if logits.requires_grad and torch.is_grad_enabled():
-        res = FusedRowStats.apply(logits, ids, tk, float(temperature), chunk_rows, backend)
+        full: dict[str, torch.Tensor] = {}
+        res = FusedRowStats.apply(logits, ids, tk, float(temperature), chunk_rows, backend, fused_full, full)
         out = dict(zip(KEYS, res))
+        out.update(full)
         if tk is None:
             del out["topk_logp"]
-        return out
-    kw = {"chunk_rows": chunk_rows} if getattr(backend, "CHUNKED", False) else {}
-    return backend.forward(logits.detach(), ids, tk, temperature=float(temperature), **kw)
-
-
-def _reference(logits, ids, tk, temperature, chunk_rows) -> dict[str, torch.Tensor]:
-    from ..stats import chunk_rows_for, reduce_rows, sampled_logprob
-
-    rows = chunk_rows_for(logits.shape[1], chunk_rows)
-    red = reduce_rows(logits, ids, tk, temperature=temperature, chunk_rows=rows)
-    red["logp"] = sampled_logprob(logits, ids, red["lse"], temperature, rows)
-    return red
+    else:
+        kw = {"chunk_rows": chunk_rows} if getattr(backend, "CHUNKED", False) else {}
+        if fused_full is not None:
+            kw["rollout_logits"] = fused_full
+        out = backend.forward(logits.detach(), ids, tk, temperature=float(temperature), **kw)
+    if rollout_logits is not None and fused_full is None:
+        # this backend has no full-vocabulary pass: the reference reads the logits again
+        out.update(_reference.full_rows(logits.detach(), ids, rollout_logits, temperature=temperature,
+                                        chunk_rows=chunk_rows))
+    return out
 
 
 def hidden_row_stats(
@@ -183,8 +207,7 @@ def hidden_row_stats(
         for name, t in (("sampled_ids", sampled_ids), ("topk_ids", topk_ids)):
             if t is not None and t.numel() and bool(((t < 0) | (t >= V)).any()):
                 raise ValueError(f"{name}: ids must lie in [0, {V})")
-    if chunk_cols is not None and (not isinstance(chunk_cols, int) or isinstance(chunk_cols, bool) or chunk_cols < 1):
-        raise ValueError(f"chunk_cols: must be a positive int (vocabulary columns per chunk), got {chunk_cols!r}")
+    check_chunk_size("chunk_cols", chunk_cols, "vocabulary columns per chunk")
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
     if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():

@@ -19,8 +19,16 @@ class FusedRowStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, sampled_ids, topk_ids, temperature, chunk_rows, backend):
-        out = backend.forward(logits, sampled_ids, topk_ids, temperature=temperature, **_kw(backend, chunk_rows))
+    def forward(ctx, logits, sampled_ids, topk_ids, temperature, chunk_rows, backend, rollout_logits=None,
+                full_sink=None):
+        # rollout_logits (a backend with FUSES_FULL): the full-vocabulary keys, which carry
+        # no gradient, leave through the full_sink dict instead of the output tuple
+        kw = _kw(backend, chunk_rows)
+        if rollout_logits is not None:
+            kw["rollout_logits"] = rollout_logits
+        out = backend.forward(logits, sampled_ids, topk_ids, temperature=temperature, **kw)
+        if full_sink is not None:
+            full_sink.update({k: v for k, v in out.items() if k not in KEYS})
         ctx.save_for_backward(logits, sampled_ids, out["lse"])
         ctx.temperature, ctx.chunk_rows, ctx.backend = temperature, chunk_rows, backend
         return outputs_tuple(ctx, out)
@@ -31,7 +39,7 @@ class FusedRowStats(torch.autograd.Function):
         logits, ids, lse = ctx.saved_tensors
         grad = ctx.backend.backward(logits, ids, lse, g_logp, temperature=ctx.temperature,
                                     **_kw(ctx.backend, ctx.chunk_rows))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def outputs_tuple(ctx, out: dict) -> tuple:

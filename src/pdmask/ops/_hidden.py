@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ._autograd import outputs_tuple
+from ._reference import compute_dtype
 
 #: Elements of one (N, Vc) float32 chunk of logits.
 CHUNK_ELEMENTS = 1 << 22
@@ -49,7 +50,7 @@ def _pick(dst, z, ids, a, b):
 
 def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     N, V = h.shape[0], W.shape[0]
-    cdt = torch.float64 if h.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(h.dtype)
     c = 1.0 / temperature
     step = cols_per_chunk(N, V, chunk_cols)
     ninf = float("-inf")

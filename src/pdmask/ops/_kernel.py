@@ -15,7 +15,7 @@ and when a block raises the max from ``m`` to ``m'`` (``a = 2^(m - m')``, ``d = 
 
 so that at the end ``lse = ln2 (m + log2 s)``, ``entropy = ln2 (log2 s - w / s)``,
 ``sum_p2 = q / s^2`` and ``logp_j = ln2 (z_j - m) - ln s``: the same quantities as
-:func:`pdmask.stats.reduce_rows`, which is the test oracle.
+:func:`pdmask.ops._reference.reduce_rows`, which is the test oracle.
 
 Backward, one program per row: ``grad = g (e_k - p) / T`` written in the logits' dtype.
 

@@ -13,13 +13,19 @@ compute dtype and ``m`` the row max of z::
     entropy = log s - w / s                (= -sum p log p; both terms >= 0, no cancellation)
     logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
 
+With the rollout policy's full logits (``rollout_logits``) the same chunk also gives the
+full-vocabulary terms (:func:`._reference.full_terms` on ``log pi = y - log s`` and
+``pi = e / s``), so the logits are read once; that costs a few more chunk buffers.
+
 Peak extra memory: two (rows, V) buffers of the compute dtype plus O(N K) outputs.
-Naive equivalent: ``pdmask.stats.reduce_rows`` (the test oracle).
+Naive equivalent: :func:`pdmask.ops._reference.reduce_rows` (the test oracle).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._reference import FULL_KEYS, compute_dtype, full_terms
 
 #: Elements per chunk buffer (two buffers): 512 Ki elements = 2 MiB of float32 each,
 #: small enough to stay in the last-level cache while the chunk is reduced.
@@ -27,12 +33,8 @@ CHUNK_ELEMENTS = 1 << 19
 
 #: This backend honours ``chunk_rows`` (the Triton one streams rows and ignores it).
 CHUNKED = True
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; bf16/fp16/fp32 are reduced in float32 (as the reference)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
+#: This backend computes the full-vocabulary keys in its own pass (``rollout_logits``).
+FUSES_FULL = True
 
 #: On a GPU the chunk only bounds memory (each op is a kernel launch): 16 M elements,
 #: 64 MiB of float32 per buffer, as the reference path.
@@ -59,8 +61,11 @@ def forward(
     *,
     temperature: float,
     chunk_rows: int | None,
+    rollout_logits: torch.Tensor | None = None,  # (N, V)
 ) -> dict[str, torch.Tensor]:
-    """Row statistics of ``softmax(logits / temperature)``; see the module docstring."""
+    """Row statistics of ``softmax(logits / temperature)``; see the module docstring.
+
+    With ``rollout_logits`` the dict also holds the :data:`._reference.FULL_KEYS`."""
     N, V = logits.shape
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
@@ -74,6 +79,7 @@ def forward(
     ybuf = torch.empty(rows, V, dtype=cdt, device=dev)
     ebuf = torch.empty(rows, V, dtype=cdt, device=dev)
     same = logits.dtype == cdt
+    full = None if rollout_logits is None else {k: torch.empty(N, dtype=cdt, device=dev) for k in FULL_KEYS}
     for a in range(0, N, step):
         b = min(a + step, N)
         x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
@@ -95,6 +101,11 @@ def forward(
             y.sub_(mc)
         torch.exp(y, out=e)
         torch.sum(e, -1, out=s[a:b])
+        if full is not None:  # before y and e are overwritten below
+            sc = s[a:b, None]
+            terms = full_terms(y - sc.log(), e / sc, rollout_logits[a:b].to(cdt) / temperature, sampled_ids[a:b])
+            for k, v in terms.items():
+                full[k][a:b] = v
         y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
         torch.sum(y, -1, out=w[a:b])
         e.mul_(e)
@@ -111,6 +122,8 @@ def forward(
     }
     if topk_ids is not None:
         out["topk_logp"] = _logp_at(logits, topk_ids, m, log_s[:, None], c)
+    if full is not None:
+        out.update(full)
     return out
 
 

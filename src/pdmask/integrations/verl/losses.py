@@ -27,8 +27,8 @@ logits, no top-K. Hence two kinds of modes:
 Thresholds use verl's DPPO convention (``verl/trainer/ppo/core_algos.py:
 compute_policy_loss_dppo_tv``): ``actor.clip_ratio_low`` / ``clip_ratio_high`` are the
 divergence thresholds delta for A < 0 / A > 0, ``actor.clip_ratio_c`` is the IS cap C.
-The per-token math is pdmask's: statistics from :mod:`pdmask.divergences` /
-:mod:`pdmask.directions` (binary) or :func:`pdmask.token_stats` (top-K), the mask from
+The per-token math is pdmask's: statistics from :func:`pdmask.stats.binary_stats` (binary)
+or :func:`pdmask.token_stats` (top-K), the mask from
 :func:`pdmask.mask_from_stats`, the surrogate from :func:`pdmask.token_loss`, the
 diagnostics from :func:`pdmask.loss.mask_metrics`; only the aggregation is verl's own
 ``agg_loss(..., **config.global_batch_info)`` so the loss is normalised over the global
@@ -43,11 +43,12 @@ from typing import Any, Callable
 
 import torch
 
-from ... import directions as _dirs
-from ... import divergences as _divs
-from ...directions import ESTIMATORS
+from ...directions import log_ratio as _log_ratio
+from ...keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
 from ...loss import mask_metrics, token_loss
 from ...masks import get_mode, mask_from_stats, resolve_thresholds
+from ...stats import binary_stats as _binary_stats
+from ...stats import capped_ratio
 
 PREFIX = "pdmask_"
 #: Modes whose statistics need only log pi_k and the anchor's log mu_k.
@@ -57,7 +58,7 @@ TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv")
 #: Per-token statistics the actor hook provides for the top-K modes (all (B, T)).
 TOPK_STAT_KEYS = (
     "rollout_logp", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
-    *(f"ddot_topk_{d}_{e}" for d in ("kl", "tv") for e in ESTIMATORS),
+    *(ddot_key(d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS),
 )
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
@@ -101,10 +102,9 @@ def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
                  response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """The statistics the binary modes read, from (B, T) log-probs alone (detached).
 
-    ``log_ratio = log pi_k - log mu_k``; ``binary_tv`` / ``binary_kl`` from
-    :mod:`pdmask.divergences`; ``ddot_binary_*`` from :mod:`pdmask.directions`. Their
-    closed forms need ``sum_i pi_i^2``, which verl does not pass to a policy loss; the
-    lower bound ``pi_k^2`` is used instead. That changes only the magnitude of Ddot,
+    :func:`pdmask.stats.binary_stats` (``log_ratio``, ``ratio``, ``binary_tv``,
+    ``binary_kl``, ``ddot_binary_*``). The Ddot closed forms need ``sum_i pi_i^2``,
+    which verl does not pass to a policy loss; the lower bound ``pi_k^2`` is used instead. That changes only the magnitude of Ddot,
     never its sign (``1 - 2 pi_k + sum pi^2 >= (1 - pi_k)^2 > 0``), and only the sign
     enters the mask and the metrics. ``entropy`` is not available here either (0).
     Padding positions get a harmless placeholder (log-prob log 1/2) so nothing is NaN.
@@ -114,17 +114,10 @@ def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
     filler = torch.full_like(log_prob, -0.6931471805599453)
     logp = torch.where(valid, log_prob.detach(), filler).clamp(max=0.0)
     anchor = torch.where(valid, anchor_log_prob.detach().to(dt), filler).clamp(max=0.0)
-    log_ratio = _dirs.ratio_direction(logp, anchor)
     sum_p2 = logp.exp().square()  # lower bound of sum_i pi_i^2 (sign-preserving, see above)
-    return {
-        "log_ratio": log_ratio,
-        "ratio": log_ratio.clamp(max=80.0).exp(),
-        "entropy": torch.zeros_like(logp),
-        "binary_tv": _divs.binary_tv(logp, anchor),
-        "binary_kl": _divs.binary_kl(logp, anchor),
-        "ddot_binary_tv": _dirs.ddot_binary_tv(logp, anchor, sum_p2),
-        "ddot_binary_kl": _dirs.ddot_binary_kl(logp, anchor, sum_p2),
-    }
+    st = _binary_stats(logp, anchor, sum_p2)
+    st["entropy"] = torch.zeros_like(logp)
+    return st
 
 
 def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -147,11 +140,11 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
     dt = log_prob.dtype
     rlp = torch.where(valid, st["rollout_logp"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
     logp = torch.where(valid, log_prob.detach(), rlp)
-    log_ratio = _dirs.ratio_direction(logp, rlp)
+    log_ratio = _log_ratio(logp, rlp)
     out = {k: st[k].to(dt) for k in TOPK_STAT_KEYS if k not in ("tail_clamped", "sampled_in_topk")}
     out.update(
         log_ratio=log_ratio,
-        ratio=log_ratio.clamp(max=80.0).exp(),
+        ratio=capped_ratio(log_ratio),
         entropy=st.get("entropy", torch.zeros_like(logp)).to(dt),
         tail_clamped=st["tail_clamped"].bool(),
         sampled_in_topk=st["sampled_in_topk"].bool(),

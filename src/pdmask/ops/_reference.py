@@ -1,0 +1,167 @@
+"""The plain-torch reference of the row reductions: the test oracle of every fused path.
+
+Every quantity the masks need is a reduction over one row of logits (log-sum-exp, the
+sampled logit, the logits at the rollout's top-K ids, ``sum_i pi_i^2``, the entropy;
+with the rollout's full logits also the full-vocabulary KL/TV terms). This module
+computes them with plain torch, in row chunks, so that the extra memory is bounded by
+the chunk and never by a float32 copy of the whole logits tensor. The fused paths
+(:mod:`._torch`, :mod:`._kernel`) are tested against it, so it stays plain.
+
+Naive torch equivalent of :func:`reduce_rows`::
+
+    logq = torch.log_softmax(logits.float() / T, -1)           # (N, V) float32 copy
+    lse, logp = torch.logsumexp(logits.float() / T, -1), logq.gather(1, k[:, None])
+    topk_logp, sum_p2 = logq.gather(1, topk_ids), logq.exp().pow(2).sum(-1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validate import check_chunk_size
+from ..divergences import floor_log
+
+#: Default chunk budget in elements: 16 M (64 MiB of float32 per temporary).
+CHUNK_ELEMENTS = 1 << 24
+
+#: Keys computed only when the rollout policy's full logits are given.
+FULL_KEYS = ("full_kl", "full_tv", "full_mu_k", "sum_p_mu", "sum_p_s", "sum_p2_s")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (bf16, fp16, fp32) is reduced in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_rows_for(vocab_size: int, chunk_size: int | None) -> int:
+    """Rows per chunk: ``chunk_size`` when given, else a 16 M-element budget."""
+    check_chunk_size("chunk_size", chunk_size)
+    if chunk_size is not None:
+        return chunk_size
+    return max(1, CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+def full_terms(logq: torch.Tensor, p: torch.Tensor, rollout_z: torch.Tensor,
+               sampled_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The full-vocabulary terms of one chunk of rows, from ``log pi`` / ``pi`` (c, V) and
+    the rollout's scaled logits ``rollout_z`` (c, V), all in the compute dtype.
+
+    ``full_kl = sum mu (log mu - log pi)`` (logs floored as in :mod:`pdmask.divergences`),
+    ``full_tv = 1/2 sum |pi - mu|``, ``full_mu_k = mu_k``, ``sum_p_mu = sum pi mu``,
+    ``sum_p_s = sum pi s``, ``sum_p2_s = sum pi^2 s`` with ``s = 1/2 sign(pi - mu)``.
+    """
+    logm = torch.log_softmax(rollout_z, -1)
+    m = logm.exp()
+    kl = torch.where(m > 0, m * (floor_log(logm) - floor_log(logq)), torch.zeros_like(m))
+    sgn = 0.5 * torch.sign(p - m)
+    return {
+        "full_kl": kl.sum(-1).clamp(min=0.0),
+        "full_tv": 0.5 * (p - m).abs().sum(-1),
+        "full_mu_k": m.gather(1, sampled_ids[:, None]).squeeze(1),
+        "sum_p_mu": (p * m).sum(-1),
+        "sum_p_s": (p * sgn).sum(-1),
+        "sum_p2_s": (p * p * sgn).sum(-1),
+    }
+
+
+@torch.no_grad()
+def reduce_rows(
+    logits: torch.Tensor,  # (N, V)
+    sampled_ids: torch.Tensor,  # (N,)
+    topk_ids: torch.Tensor | None,  # (N, K)
+    *,
+    temperature: float = 1.0,
+    rollout_logits: torch.Tensor | None = None,  # (N, V)
+    chunk_rows: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Row reductions of ``pi = softmax(logits / T)`` (and of mu when its logits are given).
+
+    Returns (all detached, in float32 or float64):
+      ``lse`` (N,), ``logp`` (N,) = log pi_k, ``sum_p2`` (N,) = sum pi^2,
+      ``entropy`` (N,) = -sum pi log pi, ``topk_logp`` (N, K) = log pi at topk_ids;
+    and with ``rollout_logits`` the :data:`FULL_KEYS` (see :func:`full_terms`).
+    """
+    N, V = logits.shape
+    cdt = compute_dtype(logits.dtype)
+    step = chunk_rows_for(V, chunk_rows)
+    out: dict[str, list[torch.Tensor]] = {}
+
+    def put(name, val):
+        out.setdefault(name, []).append(val)
+
+    for s in range(0, max(N, 1), step):  # at least once, so that N = 0 gives empty outputs
+        e = min(s + step, N)
+        z = logits[s:e].to(cdt) / temperature  # (c, V): the only float copy, chunk-sized
+        lse = torch.logsumexp(z, -1)  # (c,)
+        logq = z.sub_(lse[:, None])  # in place: log pi
+        p = logq.exp()
+        put("lse", lse)
+        put("logp", logq.gather(1, sampled_ids[s:e, None]).squeeze(1))
+        put("sum_p2", (p * p).sum(-1))
+        put("entropy", -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1))
+        if topk_ids is not None:
+            put("topk_logp", logq.gather(1, topk_ids[s:e]))
+        if rollout_logits is not None:
+            full = full_terms(logq, p, rollout_logits[s:e].to(cdt) / temperature, sampled_ids[s:e])
+            for k, v in full.items():
+                put(k, v)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+class SampledLogprob(torch.autograd.Function):
+    """``log pi_k = z_k / T - lse`` with a chunked backward.
+
+    Forward gathers one logit per row (``lse`` comes from :func:`reduce_rows`). Backward
+    writes ``g * (e_k - softmax(z / T)) / T`` chunk by chunk into a gradient of the
+    logits' own dtype, so autograd never holds a float32 (N, V) tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, sampled_ids, lse, temperature, chunk_rows):
+        ctx.save_for_backward(logits, sampled_ids, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        zk = logits.gather(1, sampled_ids[:, None]).squeeze(1).to(lse.dtype)
+        return zk / temperature - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, ids, lse = ctx.saved_tensors
+        T, step = ctx.temperature, ctx.chunk_rows
+        grad = torch.empty_like(logits)
+        cdt = lse.dtype
+        for s in range(0, logits.shape[0], step):
+            e = min(s + step, logits.shape[0])
+            gc = g[s:e].to(cdt)
+            p = torch.exp(logits[s:e].to(cdt) / T - lse[s:e, None])
+            gz = p.mul_(-gc[:, None])
+            gz.scatter_add_(1, ids[s:e, None], gc[:, None])
+            grad[s:e] = gz.div_(T).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def sampled_logprob(logits, sampled_ids, lse, temperature, chunk_rows) -> torch.Tensor:
+    """Differentiable ``log pi_k`` (N,) from (N, V) logits and the precomputed ``lse``."""
+    if not logits.requires_grad:
+        zk = logits.gather(1, sampled_ids[:, None]).squeeze(1).to(lse.dtype)
+        return zk / temperature - lse
+    return SampledLogprob.apply(logits, sampled_ids, lse, temperature, chunk_rows)
+
+
+def row_stats(logits, sampled_ids, topk_ids, *, temperature: float, chunk_rows: int | None,
+              rollout_logits: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """:func:`pdmask.ops.row_stats` with ``impl="reference"``: :func:`reduce_rows`, whose
+    ``logp`` is replaced by the differentiable :func:`sampled_logprob` (same value)."""
+    rows = chunk_rows_for(logits.shape[1], chunk_rows)
+    red = reduce_rows(logits, sampled_ids, topk_ids, temperature=temperature,
+                      rollout_logits=rollout_logits, chunk_rows=rows)
+    red["logp"] = sampled_logprob(logits, sampled_ids, red["lse"], temperature, rows)
+    return red
+
+
+@torch.no_grad()
+def full_rows(logits, sampled_ids, rollout_logits, *, temperature: float,
+              chunk_rows: int | None) -> dict[str, torch.Tensor]:
+    """Only the :data:`FULL_KEYS` of :func:`reduce_rows` (a second read of the logits)."""
+    red = reduce_rows(logits, sampled_ids, None, temperature=temperature, rollout_logits=rollout_logits,
+                      chunk_rows=chunk_rows_for(logits.shape[1], chunk_rows))
+    return {k: red[k] for k in FULL_KEYS}

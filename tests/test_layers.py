@@ -1,0 +1,210 @@
+"""The layers of docs/ARCHITECTURE.md, enforced on the source: who may import whom.
+
+Every module under src/pdmask is parsed with ``ast`` (nothing is imported), and every
+``import`` / ``from ... import`` inside the package is an edge, whether it sits at module
+level or inside a function (a lazy import still ties the two modules together).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = "pdmask"
+
+#: Top-level modules of the core (with the ``ops`` package and the package root, which
+#: re-exports the public API).
+CORE_MODULES = {"keys", "_validate", "divergences", "directions", "masks", "stats", "loss"}
+#: layer -> the layers it may import (itself included). docs/ARCHITECTURE.md.
+ALLOWED = {
+    "core": {"core"},
+    "formats": {"core", "formats"},
+    "engine": {"core", "formats", "engine"},
+    "train": {"core", "engine", "formats", "train"},
+    "audit": {"core", "train", "engine", "audit"},
+    "integrations": {"core", "formats", "engine", "integrations"},
+    "cli": {"core", "formats", "engine", "train", "audit", "integrations", "cli"},
+}
+SUBPACKAGE_LAYERS = {"ops": "core", "formats": "formats", "engine": "engine", "train": "train",
+                     "audit": "audit", "integrations": "integrations"}
+
+
+# ------------------------------------------------------------------ the graph
+def module_name(path: Path, src: Path = SRC) -> str:
+    """``src/pdmask/ops/_torch.py`` -> ``pdmask.ops._torch``; a package's ``__init__`` is the package."""
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules(src: Path = SRC, pkg: str = PKG) -> dict[str, Path]:
+    """Every module of the package: dotted name -> file."""
+    return {module_name(p, src): p for p in sorted((src / pkg).rglob("*.py"))}
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package modules one import statement names (its ``from X import name`` names
+    count as modules when they are submodules of X)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+        found = set()
+        for n in names:  # ``import pdmask.ops._torch`` names its deepest known prefix
+            parts = n.split(".")
+            for i in range(len(parts), 0, -1):
+                if ".".join(parts[:i]) in known:
+                    found.add(".".join(parts[:i]))
+                    break
+        return found
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    out = set()
+    for a in node.names:
+        sub = f"{target}.{a.name}"
+        if sub in known:
+            out.add(sub)
+        elif target in known:
+            out.add(target)
+    return out
+
+
+def import_graph(src: Path = SRC, pkg: str = PKG) -> dict[str, set[str]]:
+    """``{module: {package modules it imports}}``, module-level and function-level imports alike."""
+    mods = package_modules(src, pkg)
+    known = set(mods)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _imported(node, name, path.name == "__init__.py", known)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]], within: set[str] | None = None) -> list[list[str]]:
+    """The import cycles of ``graph`` (restricted to the modules ``within``): every strongly
+    connected component of more than one module, sorted. Empty iff the graph is acyclic."""
+    nodes = set(graph) if within is None else set(within) & set(graph)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:  # Tarjan's algorithm (graphs here are small: recursion is fine)
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v] & nodes):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a module (docs/ARCHITECTURE.md), or None when it has none yet."""
+    parts = module.split(".")
+    if parts == [PKG] or (len(parts) == 2 and parts[1] in CORE_MODULES):
+        return "core"
+    if len(parts) == 2 and parts[1] == "cli":
+        return "cli"
+    return SUBPACKAGE_LAYERS.get(parts[1]) if len(parts) >= 2 else None
+
+
+def layer_violations(graph: dict[str, set[str]], layers=None) -> list[str]:
+    """``"a -> b (layer x may not import layer y)"`` for every edge the layer table forbids
+    (only for modules whose layer is in ``layers``; all when None)."""
+    out = []
+    for mod, deps in sorted(graph.items()):
+        la = layer_of(mod)
+        if la is None or (layers is not None and la not in layers):
+            continue
+        for dep in sorted(deps):
+            lb = layer_of(dep)
+            if lb is not None and lb not in ALLOWED[la]:
+                out.append(f"{mod} -> {dep} (layer {la} may not import layer {lb})")
+    return out
+
+
+# ------------------------------------------------------------------ the graph builder itself
+def test_graph_builder_sees_relative_absolute_and_function_level_imports(tmp_path):
+    root = tmp_path / "src"
+    pkg = root / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("import os\nfrom . import b\n\ndef f():\n    from .sub import c\n")
+    (pkg / "b.py").write_text("import pkg.sub.c\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from ..a import f\nfrom .. import b as _b\n")
+    g = import_graph(root, "pkg")
+    assert g == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.sub.c"}, "pkg.b": {"pkg.sub.c"},
+                 "pkg.sub": set(), "pkg.sub.c": {"pkg.a", "pkg.b"}}
+    assert cycles(g) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+    assert cycles(g, within={"pkg", "pkg.a", "pkg.b"}) == []
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in import_graph() if layer_of(m) is None] == []
+
+
+# ------------------------------------------------------------------ the core
+def test_core_imports_nothing_outside_the_core():
+    graph = import_graph()
+    assert {"pdmask.stats", "pdmask.ops", "pdmask.ops._reference", "pdmask.loss"} <= {
+        m for m in graph if layer_of(m) == "core"}
+    assert layer_violations(graph, layers={"core"}) == []
+
+
+def test_core_has_no_import_cycle():
+    graph = import_graph()
+    core = {m for m in graph if layer_of(m) == "core"}
+    assert cycles(graph, within=core) == []
+
+
+def test_stats_reaches_the_logits_only_through_ops_row_stats():
+    """One dispatch: stats imports ``pdmask.ops`` and none of its private backends."""
+    graph = import_graph()
+    assert "pdmask.ops" in graph["pdmask.stats"]
+    assert not {m for m in graph["pdmask.stats"] if m.startswith("pdmask.ops.")}
+    assert not {m for m in graph["pdmask.ops"] | graph["pdmask.ops._reference"] if m == "pdmask.stats"}
+
+
+# ------------------------------------------------------------------ the whole package
+@pytest.mark.xfail(reason="waits for the arch-train/arch-integ branches", strict=False)
+def test_no_import_cycle_anywhere():
+    assert cycles(import_graph()) == []
+
+
+@pytest.mark.xfail(reason="waits for the arch-train/arch-integ branches", strict=False)
+def test_every_layer_imports_only_what_it_may():
+    assert layer_violations(import_graph()) == []
