@@ -1,8 +1,7 @@
 """``pdmask audit``: the direction audit on a checkpoint (METHOD.md section 5).
 
-Registered on the main CLI with :func:`register`; also runnable alone as
-``python -m pdmask.audit.cli``. The model, task, engine and loss settings are the
-trainer's (``--config`` preset and ``--set key=value`` overrides, the same keys as
+Registered on the main CLI (:mod:`pdmask.cli`) with :func:`register`. The model, task,
+engine and loss settings are the trainer's (``--config`` preset and ``--set key=value`` overrides, the same keys as
 ``pdmask train``); the options below are the audit's own.
 """
 
@@ -118,17 +117,3 @@ def register(app: typer.Typer) -> None:
     """Add the ``audit`` command to a typer app (the main ``pdmask`` CLI)."""
     app.command("audit", help=HELP)(audit_command)
 
-
-def main() -> None:
-    app = typer.Typer(add_completion=False, help=HELP)
-    register(app)
-
-    @app.callback()
-    def _root():  # keep "audit" a subcommand even when it is the only one
-        pass
-
-    app()
-
-
-if __name__ == "__main__":
-    main()
