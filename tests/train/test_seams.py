@@ -162,3 +162,15 @@ def test_load_weights_restores_and_says_what(parts, tmp_path):
     (ck / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="checkpoint: .* has no model.safetensors"):
         load_weights(ck, copy.deepcopy(model0))
+
+
+def test_the_train_export_table_resolves_every_name():
+    """pdmask.train's lazy table: each listed name imports, and from the module that defines it."""
+    import pdmask.train as T
+
+    for name in T.__all__:
+        obj = getattr(T, name)
+        home = T._EXPORTS[name]
+        assert obj.__module__ == (home if home.startswith("pdmask.") else f"pdmask.train.{home}"), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        T.nope  # noqa: B018
