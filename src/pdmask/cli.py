@@ -1,4 +1,4 @@
-"""Command line: ``pdmask train | compare | report`` (and ``audit`` when installed).
+"""Command line: ``pdmask train | compare | report | audit``.
 
 Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets live in
 ``configs/*.yaml``; ``--config main`` is short for ``configs/main.yaml``.
@@ -6,7 +6,6 @@ Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets li
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -151,14 +150,10 @@ def report(
         console.print(f"wrote {p}")
 
 
-# ---------------------------------------------------------------------------
-# `pdmask audit` is registered here by the direction-audit package (issue #4):
-# pdmask.audit.cli must define `register(app: typer.Typer) -> None`.
-if importlib.util.find_spec("pdmask.audit") is not None and importlib.util.find_spec("pdmask.audit.cli") is not None:
-    from .audit.cli import register as _register_audit
+# `pdmask audit`: the direction audit's command (its options live with it in pdmask.audit.cli)
+from .audit.cli import register as _register_audit  # noqa: E402  (registered last: listed last in --help)
 
-    _register_audit(app)
-# ---------------------------------------------------------------------------
+_register_audit(app)
 
 
 def main() -> None:

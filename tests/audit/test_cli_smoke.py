@@ -42,11 +42,16 @@ def test_cli_smoke(tmp_path):
 
 
 def test_cli_bad_option_is_an_error(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    res = subprocess.run([sys.executable, "-m", "pdmask.audit.cli", "audit", "--divergence", "binary_kl",
-                          "--set", f"cache_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=tmp_path)
-    assert res.returncode == 2 and "divergence" in res.stderr
+    """`pdmask audit` (the main app's command) refuses a bad option with one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from pdmask.cli import app
+
+    res = CliRunner().invoke(app, ["audit", "--divergence", "binary_kl", "--out", str(tmp_path / "audit"),
+                                   "--set", f"cache_dir={tmp_path}"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: divergence:") and res.stderr.count("\n") == 1
+    assert not (tmp_path / "audit").exists()  # refused before any work
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """The transformers rollout engine: reported log-probs, determinism, precisions, scoring."""
 
+import warnings
+
 import pytest
 import torch
 
 from pdmask import token_stats
 from pdmask.engine import make_engine
-from pdmask.engine.hf import HFEngine, response_logits
+from pdmask.engine.hf import HFEngine, cache_kwarg, response_logits, sample
 from pdmask.engine.precision import E4M3_MAX, fp8_roundtrip
 
 
@@ -66,6 +68,31 @@ def test_score_matches_sampling_logits(tiny_model, prompts):
     z = eng.score(b.sequences, b.attention_mask, b.prompt_len)
     m = b.response_mask
     torch.testing.assert_close(z[m], b.logits[m], rtol=1e-4, atol=1e-4)
+
+
+def test_generation_uses_the_current_cache_api_without_warnings(tiny_model, prompts):
+    """No FutureWarning (transformers 5 renamed ``past_key_values`` to ``cache``) on the
+    engine's sampling, greedy sampling or scoring; and the cache still does its work:
+    the KV-cached logits equal the teacher-forced ones (see the test above)."""
+    eng = _engine(tiny_model, precision="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        b = eng.generate(prompts, max_new_tokens=6, seed=0, return_logits=True)
+        sample(tiny_model, prompts, max_new_tokens=4, eos_id=1, pad_id=0, greedy=True)
+        eng.score(b.sequences, b.attention_mask, b.prompt_len)
+    assert b.response_mask.sum() > 0
+
+
+def test_cache_kwarg_follows_the_forward_signature(tiny_model):
+    import inspect
+
+    class OldStyle(torch.nn.Module):  # a forward that predates the rename
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, **kwargs):
+            return None
+
+    current = "cache" if "cache" in inspect.signature(tiny_model.forward).parameters else "past_key_values"
+    assert cache_kwarg(tiny_model) == current
+    assert cache_kwarg(OldStyle()) == "past_key_values"
 
 
 def _mismatch(model, eng, b):

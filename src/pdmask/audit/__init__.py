@@ -2,7 +2,8 @@
 
 METHOD.md section 5. Pure functions over tensors (:mod:`.criteria`, :mod:`.rates`,
 :mod:`.fidelity`, :mod:`.steps`), the per-batch and per-seed runner (:mod:`.runner`),
-the report (:mod:`.report`, :mod:`.plots`) and the ``pdmask audit`` command (:mod:`.cli`).
+the report (:mod:`.report`, :mod:`.plots`, the paper's figures in :mod:`.paper`) and the
+``pdmask audit`` command (:mod:`.cli`).
 """
 
 from .config import DIVERGENCES, FIDELITY_KS, AuditConfig

@@ -1,8 +1,7 @@
 """``pdmask audit``: the direction audit on a checkpoint (METHOD.md section 5).
 
-Registered on the main CLI with :func:`register`; also runnable alone as
-``python -m pdmask.audit.cli``. The model, task, engine and loss settings are the
-trainer's (``--config`` preset and ``--set key=value`` overrides, the same keys as
+Registered on the main CLI (:mod:`pdmask.cli`) with :func:`register`. The model, task,
+engine and loss settings are the trainer's (``--config`` preset and ``--set key=value`` overrides, the same keys as
 ``pdmask train``); the options below are the audit's own.
 """
 
@@ -66,11 +65,13 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
             progress) -> dict:
     from rich.console import Console
 
+    from ..train.checkpoint import is_run_dir
     from ..train.config import load_config
+    from ..train.update import ADAMW_BETAS
     from .config import AuditConfig
     from .report import write_report
     from .runner import run_audit, summarize_all
-    from .source import TRAINER_BETAS, build_source, is_run_dir
+    from .source import build_source
 
     if seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
@@ -87,7 +88,7 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     cfg = AuditConfig(
         divergence=divergence, delta_low=base if delta_low is None else delta_low,
         delta_high=base if delta_high is None else delta_high, estimator=estimator, step_mode=step_mode,
-        optimizer=optimizer, lr=tcfg.lr if lr is None else lr, weight_decay=tcfg.weight_decay, betas=TRAINER_BETAS,
+        optimizer=optimizer, lr=tcfg.lr if lr is None else lr, weight_decay=tcfg.weight_decay, betas=ADAMW_BETAS,
         grad_clip=tcfg.grad_clip, is_cap=tcfg.is_cap, loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low,
         eps_high=tcfg.eps_high, temperature=tcfg.temperature, isolated_tokens=isolated_tokens,
         isolated_disagreement=isolated_disagreement, isolated_step=isolated_step,
@@ -116,17 +117,3 @@ def register(app: typer.Typer) -> None:
     """Add the ``audit`` command to a typer app (the main ``pdmask`` CLI)."""
     app.command("audit", help=HELP)(audit_command)
 
-
-def main() -> None:
-    app = typer.Typer(add_completion=False, help=HELP)
-    register(app)
-
-    @app.callback()
-    def _root():  # keep "audit" a subcommand even when it is the only one
-        pass
-
-    app()
-
-
-if __name__ == "__main__":
-    main()

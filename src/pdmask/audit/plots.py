@@ -9,7 +9,7 @@ import torch
 
 from ..directions import ESTIMATORS
 from .criteria import CRITERIA, RATIO, predictive_name
-from .report import PAPER
+from .paper import PAPER
 
 _RATES = (("unsafe_keep", "unsafe-keep"), ("corrective", "corrective"), ("sign_accuracy", "sign accuracy"))
 

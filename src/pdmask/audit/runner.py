@@ -70,28 +70,62 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     if rb.logits is None:
         raise ValueError("rb: the rollout batch has no engine logits; generate with return_logits=True "
                          "(the audit needs mu's full logits for the oracle and the fidelity sweep)")
-    valid = rb.response_mask.bool()
+    valid = rb.response_mask.bool()  # (B, T)
     A = _broadcast(advantages, valid.shape).float()
-    A = torch.where(valid, A, torch.zeros_like(A))
+    A = torch.where(valid, A, torch.zeros_like(A))  # (B, T)
     T, div = cfg.temperature, cfg.divergence
-    primary = predictive_name(cfg.estimator)
 
+    # 1. statistics at theta, the batch step, dD on every token
     logits0, out, logits1 = batch_step(model, forward, rb, A, cfg, optimizer_state=optimizer_state)
     # Every criterion and divergence of the audit in float64 (the step itself ran in the
     # model's dtype): tokens with pi ~ mu have |Ddot| ~ 1e-9, whose sign a float32
     # reduction would leave to rounding.
     st = rollout_stats(logits0.double(), rb, temperature=T)
-    D0 = st[div]
+    D0 = st[div]  # (B, T)
     dD = rollout_stats(logits1.double(), rb, temperature=T)[div] - D0  # (B, T)
     del logits1
-    region = out_of_region(D0, A, valid, delta_low=cfg.delta_low, delta_high=cfg.delta_high)
-    values = criterion_values(st, cfg.family)
+    region = out_of_region(D0, A, valid, delta_low=cfg.delta_low, delta_high=cfg.delta_high)  # (B, T) O
+    values = criterion_values(st, cfg.family)  # criterion -> (B, T)
     counts = {"batch": classify_seed(dD, A, values, region, tie_tol=cfg.tie_tol)}
 
-    # entropy side-effect of each criterion's mask (first order, per unit logit step)
-    hdot = entropy_ddot(logits0.double(), rb.response_ids, temperature=T)
-    ah = A.double() * hdot.double()
+    # 2. entropy side-effect of each criterion's mask (first order, per unit logit step)
+    hdot = entropy_ddot(logits0.double(), rb.response_ids, temperature=T)  # (B, T)
     active = valid & (A != 0)
+    ent = _entropy_counts(A, hdot, values, region, active)
+
+    # 3. logit-space isolated step on every token of O (n tokens)
+    bt = region.nonzero()  # (n, 2)
+    sel = (bt[:, 0], bt[:, 1])
+    vals_o = {c: v[sel] for c, v in values.items()}  # criterion -> (n,)
+    A_o = A[sel].double()  # (n,)
+    dD_logit = logit_step_changes(
+        logits0[sel], rb.response_ids[sel], rb.sampled_logprob[sel], rb.topk_ids[sel], rb.topk_logprobs[sel],
+        rb.logits[sel], A_o, divergence=div, step=cfg.logit_step, temperature=T)  # (n,)
+    counts["logit"] = classify_seed(dD_logit, A_o, vals_o, torch.ones_like(A_o, dtype=torch.bool), tie_tol=0.0)
+
+    # 4. parameter-space isolated steps: uniform sample of O + sample of disagreement tokens
+    iso_counts, iso_tokens, uni, dis = _isolated_steps(model, forward, rb, A, bt, vals_o, A_o, cfg, seed)
+    counts.update(iso_counts)
+
+    # 5. estimator fidelity on the response tokens and on O
+    fid = fidelity_counts(logits0, rb.response_ids, rb.logits, valid, {"response": active, "out_of_region": region},
+                          family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
+
+    n = bt.shape[0]
+    tokens = {"b": bt[:, 0], "t": bt[:, 1], "A": A_o.double(), "D": D0[sel].double(),
+              "dD_batch": dD[sel].double(), "dD_logit": dD_logit.double(), **iso_tokens,
+              "isolated_uniform": torch.zeros(n, dtype=torch.bool).index_fill_(0, uni, True),
+              "isolated_disagreement": torch.zeros(n, dtype=torch.bool).index_fill_(0, dis, True),
+              "hdot": hdot[sel].double(), **{f"c:{c}": v.double() for c, v in vals_o.items()}}
+    base = _seed_info(counts, values, out.metrics, valid, active, region, D0, dD, uni, dis)
+    return SeedResult(int(seed), {**base, **(info or {})}, counts, ent, fid, tokens)
+
+
+def _entropy_counts(A: torch.Tensor, hdot: torch.Tensor, values: dict, region: torch.Tensor,
+                    active: torch.Tensor) -> dict:
+    """Per criterion, ``[sum A Hdot, n, n with A Hdot > 0]`` over the tokens it keeps and
+    over those it masks (all (B, T)); ``none`` keeps every active token."""
+    ah = A.double() * hdot.double()  # (B, T)
     ent = {}
     for c in CRITERIA:
         masked = region & outward(values[c], A)
@@ -100,30 +134,31 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
                   for name, S in (("kept", kept), ("masked", masked))}
     ent["none"] = {"kept": [float(torch.where(active, ah, 0).sum()), int(active.sum()), int((active & (ah > 0)).sum())],
                    "masked": [0.0, 0, 0]}
+    return ent
 
-    # logit-space isolated step on every token of O
-    bt = region.nonzero()  # (n, 2)
-    sel = (bt[:, 0], bt[:, 1])
-    vals_o = {c: v[sel] for c, v in values.items()}
-    A_o = A[sel].double()
-    dD_logit = logit_step_changes(
-        logits0[sel], rb.response_ids[sel], rb.sampled_logprob[sel], rb.topk_ids[sel], rb.topk_logprobs[sel],
-        rb.logits[sel], A_o, divergence=div, step=cfg.logit_step, temperature=T)
-    ones = torch.ones_like(A_o, dtype=torch.bool)
-    counts["logit"] = classify_seed(dD_logit, A_o, vals_o, ones, tie_tol=0.0)
 
-    # parameter-space isolated steps: uniform sample of O + sample of disagreement tokens
+def _isolated_steps(model, forward: Forward, rb, A: torch.Tensor, bt: torch.Tensor, vals_o: dict,
+                    A_o: torch.Tensor, cfg: AuditConfig, seed: int):
+    """The parameter-space isolated steps on a seeded sample of O's ``n`` tokens (``bt``
+    (n, 2), their criterion values ``vals_o`` and advantages ``A_o``): a uniform sample
+    and a sample of the headline criterion's disagreement set, each token stepped once.
+
+    Returns ``(counts, tokens, uni, dis)``: a count table per kind of step and one for its
+    disagreement sample, the per-token ``dD`` of each kind ((n,), NaN where not sampled),
+    and the indices into O of the two samples."""
+    primary = predictive_name(cfg.estimator)
+    ones = torch.ones_like(A_o, dtype=torch.bool)  # (n,)
     gen = torch.Generator().manual_seed(int(seed))
     dis_o = disagreement_set(vals_o, A_o, ones, primary)
     uni = _sample(ones, cfg.isolated_tokens, gen)
     dis = _sample(dis_o, cfg.isolated_disagreement, gen)
-    chosen = torch.unique(torch.cat([uni, dis]))
+    chosen = torch.unique(torch.cat([uni, dis]))  # each sampled token stepped once
     pos = {int(i): j for j, i in enumerate(chosen.tolist())}
     in_uni = torch.tensor([pos[int(i)] for i in uni.tolist()], dtype=torch.long)
     in_dis = torch.tensor([pos[int(i)] for i in dis.tolist()], dtype=torch.long)
     A_c = A_o[chosen]
     v_c = {c: v[chosen] for c, v in vals_o.items()}
-    iso_tokens = {}
+    counts, tokens = {}, {}
     for which in cfg.isolated_params:
         kind = isolated_kind(which)
         dD_iso_c = isolated_param_changes(model, forward, rb, A, bt[chosen], cfg, params=which)
@@ -135,27 +170,21 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
             torch.ones(in_dis.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)}
         full = torch.full((bt.shape[0],), float("nan"), dtype=torch.float64)
         full[chosen] = dD_iso_c  # NaN = not sampled for the isolated step (documented in the dump)
-        iso_tokens[f"dD_{kind}"] = full
+        tokens[f"dD_{kind}"] = full
+    return counts, tokens, uni, dis
 
-    fid = fidelity_counts(logits0, rb.response_ids, rb.logits, valid, {"response": active, "out_of_region": region},
-                          family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
 
-    tokens = {"b": bt[:, 0], "t": bt[:, 1], "A": A_o.double(), "D": D0[sel].double(),
-              "dD_batch": dD[sel].double(), "dD_logit": dD_logit.double(), **iso_tokens,
-              "isolated_uniform": torch.zeros(bt.shape[0], dtype=torch.bool).index_fill_(0, uni, True),
-              "isolated_disagreement": torch.zeros(bt.shape[0], dtype=torch.bool).index_fill_(0, dis, True),
-              "hdot": hdot[sel].double(), **{f"c:{c}": v.double() for c, v in vals_o.items()}}
+def _seed_info(counts: dict, values: dict, metrics: dict, valid, active, region, D0, dD, uni, dis) -> dict:
+    """The seed's sizes (tokens, O, disagreement sets, samples) and headline numbers."""
     n_dis = {p: counts["batch"][f"disagreement:{p}"][RATIO]["n"] for p in values if p != RATIO}
-    m = out.metrics
-    base = {"n_response_tokens": int(valid.sum()), "n_active_tokens": int(active.sum()),
+    return {"n_response_tokens": int(valid.sum()), "n_active_tokens": int(active.sum()),
             "n_out_of_region": int(region.sum()), "n_disagreement": n_dis,
             "n_isolated_uniform": int(uni.numel()), "n_isolated_disagreement": int(dis.numel()),
-            "n_sequences": int(valid.shape[0]), "loss": float(m["loss"]),
+            "n_sequences": int(valid.shape[0]), "loss": float(metrics["loss"]),
             "divergence_mean": float(torch.where(valid, D0, 0).sum() / valid.sum().clamp(min=1)),
             "divergence_max": float(torch.where(valid, D0, 0).max()) if valid.any() else 0.0,
             "dD_batch_abs_mean_O": float(dD[region].abs().mean()) if region.any() else 0.0,
-            "step_kept_frac": float(m["kept_frac"])}
-    return SeedResult(int(seed), {**base, **(info or {})}, counts, ent, fid, tokens)
+            "step_kept_frac": float(metrics["kept_frac"])}
 
 
 def isolated_kind(which: str) -> str:

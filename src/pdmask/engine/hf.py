@@ -21,6 +21,7 @@ Determinism: sampling draws from a ``torch.Generator`` seeded with ``seed`` (one
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 
@@ -44,6 +45,18 @@ def left_pad(prompts: list[list[int]], pad_id: int, device=None) -> tuple[torch.
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting real tokens only, so left padding does not shift RoPE."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model``'s forward takes its KV cache.
+
+    transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns with a
+    FutureWarning on every call until its removal); older releases, and models with
+    their own forward, know only ``past_key_values``. Reading the signature picks the
+    name the installed model accepts, so the cache is never silently dropped into
+    ``**kwargs``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 @torch.no_grad()
@@ -78,9 +91,9 @@ def sample(
     ids, attn = left_pad(prompts, pad_id, dev)  # (B, P)
     B, P = ids.shape
     gen = torch.Generator(device=dev).manual_seed(int(seed))
-    cache = DynamicCache()
+    kv = {cache_kwarg(model): DynamicCache()}  # the same cache object is extended by every call
     out = model(input_ids=ids, attention_mask=attn.long(), position_ids=position_ids(attn),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **kv)
     pos = attn.long().sum(-1) - 1  # (B,) position of the last prompt token
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     toks, masks, lps, tk_ids, tk_lps, raw = [], [], [], [], [], []
@@ -107,7 +120,7 @@ def sample(
             break
         pos = pos + 1
         out = model(input_ids=k[:, None], attention_mask=attn.long(), position_ids=pos[:, None],
-                    past_key_values=cache, use_cache=True)
+                    use_cache=True, **kv)
     resp = torch.stack(toks, 1)  # (B, T)
     rmask = torch.stack(masks, 1)  # (B, T)
     lp = torch.where(rmask, torch.stack(lps, 1), torch.zeros_like(rmask, dtype=torch.float32))

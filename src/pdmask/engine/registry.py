@@ -9,7 +9,8 @@ share storage with it). Adding the vLLM backend is one call::
     register_engine("vllm", make_vllm_engine)
 
 Backends named in :data:`LAZY` are imported on first use, so heavy dependencies are
-only needed when that backend is selected.
+only needed when that backend is selected. :func:`build_engine` is the same call with
+its arguments read from a trainer config (the built-in trainer and the audit use it).
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def make_engine(name: str, model, *, tokenizer=None, eos_id: int, pad_id: int, p
         raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
     return ENGINES[name](model, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id, precision=precision,
                          temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
+
+
+def build_engine(cfg, model, tokenizer) -> RolloutEngine:
+    """The rollout engine named by ``cfg.engine`` with a copy of ``model``'s weights.
+
+    ``cfg`` is a trainer config (:class:`pdmask.train.TrainConfig` or anything with its
+    ``engine``, ``engine_precision``, ``temperature`` and ``top_k`` fields); the token
+    ids come from ``tokenizer``. Equivalent to ``make_engine(cfg.engine, model,
+    tokenizer=tokenizer, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+    precision=cfg.engine_precision, temperature=cfg.temperature, top_k_logprobs=cfg.top_k)``.
+    """
+    return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
+                       pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
+                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k)
 
 
 def _make_hf(model, *, tokenizer=None, eos_id, pad_id, precision, temperature, top_k_logprobs, **options):

@@ -6,11 +6,15 @@ Stable entry points (the direction audit and notebooks import these):
 - :func:`build_task`, :func:`get_reward`, :class:`Problem` — tasks and rewards (``tasks``).
 - :func:`ensure_sft_checkpoint` — the cached SFT base directory (``sft``).
 - :func:`load_model_and_tokenizer`, :func:`build_model`, :func:`encode_prompts` (``model``).
-- :func:`build_engine` — the rollout engine from a config (``grpo``); ``pdmask.engine.make_engine``.
-- :func:`group_advantages`, :func:`decode_responses`, :func:`rewards_for`,
-  :func:`greedy_accuracy` (``rollout``).
-- :func:`compute_loss` — one trainer forward + ``pdmask.policy_loss`` on a rollout batch.
-- :func:`setup`, :func:`train` — the whole run.
+- :func:`build_engine` — the rollout engine from a config (``pdmask.engine.registry``).
+- :func:`rollout_step` — generate -> rewards -> advantages, :class:`Rollout`;
+  :func:`group_advantages`, :func:`decode_responses`, :func:`rewards_for`,
+  :func:`greedy_accuracy`, :func:`greedy_eval` (``rollout``).
+- :func:`compute_loss` — one trainer forward + ``pdmask.policy_loss`` on a rollout batch;
+  :func:`update_step` — loss, backward, clip, optimizer step; :func:`select`,
+  :func:`make_optimizer` (``update``).
+- :func:`latest_checkpoint`, :func:`load_weights`, :func:`is_run_dir` (``checkpoint``).
+- :func:`setup`, :func:`train` — the whole run (``grpo``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ _EXPORTS = {
     "load_model_and_tokenizer": "model", "build_model": "model", "encode_prompts": "model",
     "group_advantages": "rollout", "decode_responses": "rollout", "rewards_for": "rollout",
     "greedy_accuracy": "rollout", "greedy_eval": "rollout", "eval_rewards": "tasks",
-    "build_engine": "grpo", "compute_loss": "grpo", "select": "grpo", "setup": "grpo", "train": "grpo",
+    "rollout_step": "rollout", "Rollout": "rollout",
+    "compute_loss": "update", "select": "update", "update_step": "update", "make_optimizer": "update",
+    "latest_checkpoint": "checkpoint", "load_weights": "checkpoint", "is_run_dir": "checkpoint",
+    "setup": "grpo", "Setup": "grpo", "train": "grpo",
+    "build_engine": "pdmask.engine.registry",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,5 +40,6 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        mod = _EXPORTS[name]  # a module of this package, or a full module path
+        return getattr(importlib.import_module(mod if mod.startswith("pdmask.") else f"{__name__}.{mod}"), name)
     raise AttributeError(f"module 'pdmask.train' has no attribute {name!r}")

@@ -21,6 +21,12 @@ def ckpt_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def is_run_dir(path: str | Path) -> bool:
+    """A ``pdmask train`` run directory: ``config.yaml`` and ``checkpoints/`` inside."""
+    p = Path(path)
+    return (p / "config.yaml").exists() and ckpt_root(p).is_dir()
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = ckpt_root(run_dir)
     if not root.exists():
@@ -66,15 +72,37 @@ def save_checkpoint(run_dir, *, step: int, model, optimizer, engine=None, extra:
     return final
 
 
-def load_checkpoint(path: str | Path, *, model, optimizer, engine=None) -> dict:
-    """Restore model, optimizer, engine and RNG states; returns ``state.pt``'s dict."""
+def load_weights(path: str | Path, model, *, engine=None, optimizer=None) -> dict[str, bool]:
+    """Restore the weights of a checkpoint (no step, no RNG): the trainer's into ``model``,
+    the engine's own into ``engine`` and the AdamW state into ``optimizer`` (each only
+    when given and present in the checkpoint; the trainer's weights must be there).
+
+    Returns which parts were restored: ``{"model": True, "engine": bool, "optimizer": bool}``
+    (an engine without ``load_state_dict`` or a checkpoint without ``engine.safetensors``
+    leaves the engine as it was: re-sync it from ``model`` if that matters).
+    """
     from safetensors.torch import load_file
 
     p = Path(path)
+    if not (p / "model.safetensors").exists():
+        raise ValueError(f"checkpoint: {str(p)!r} has no model.safetensors")
     model.load_state_dict(load_file(str(p / "model.safetensors")))
-    optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=False))
+    done = {"model": True, "engine": False, "optimizer": False}
     if engine is not None and (p / "engine.safetensors").exists() and hasattr(engine, "load_state_dict"):
         engine.load_state_dict(load_file(str(p / "engine.safetensors")))
+        done["engine"] = True
+    if optimizer is not None and (p / "optimizer.pt").exists():
+        optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=False))
+        done["optimizer"] = True
+    return done
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer, engine=None) -> dict:
+    """Resume: restore model, optimizer, engine (:func:`load_weights`) and RNG states;
+    returns ``state.pt``'s dict (``step``, ``data_pos``, ...)."""
+    p = Path(path)
+    if not load_weights(p, model, engine=engine, optimizer=optimizer)["optimizer"]:
+        raise ValueError(f"checkpoint: {str(p)!r} has no optimizer.pt; it cannot resume a run")
     state = torch.load(p / "state.pt", weights_only=False)
     set_rng_state(state["rng"])
     return state

@@ -5,9 +5,10 @@ Per step::
     sync      engine.load_weights(trainer)  if step % sync_every == 0   (else the engine lags)
     rollout   prompts x group_size -> engine.generate -> tokens, log mu_k, top-K of mu
     reward    rule-based reward of each decoded response
-    advantage GRPO: r - mean(group) [/ std(group)]
+    advantage GRPO: r - mean(group) [/ std(group)]          (the three: rollout.rollout_step)
     update    for each of `minibatches` slices (x epochs): one trainer forward ->
               pdmask.policy_loss(mode=cfg.mode) -> backward -> clip -> AdamW step
+                                                            (update.select, update.update_step)
     log       JSONL + TensorBoard; held-out greedy accuracy every eval_every steps
     save      resumable checkpoint every checkpoint_every steps
 
@@ -28,80 +29,35 @@ How it departs from textbook GRPO (on purpose; this is what the masks are about)
 
 from __future__ import annotations
 
-import math
+import json
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .. import policy_loss
-from ..engine.base import RolloutBatch
-from ..engine.hf import response_logits
-from ..engine.registry import make_engine
+from ..engine.registry import build_engine
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .progress import make_progress
-from .rollout import decode_responses, greedy_eval, group_advantages, rewards_for
+from .rollout import Rollout, greedy_eval, rollout_step
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
+from .update import compute_loss, make_optimizer, select, update_step
+
+# build_engine, compute_loss and select live in engine/registry.py and update.py; they
+# stay importable from here for existing callers (train/compare.py, notebooks)
+__all__ = ["Setup", "TIME_KEYS", "build_engine", "compute_loss", "open_run", "rollout_seed", "select", "setup",
+           "step_metrics", "step_prompts", "summarize", "train"]
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
 TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",
              "update_s_per_1k_tokens")
 
 
-# ------------------------------------------------------------------ building blocks
-def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response_lens: list[int]) -> RolloutBatch:
-    """Rows ``idx`` of a rollout batch with all-padding prompt/response columns trimmed.
-
-    ``prompt_lens`` / ``response_lens`` are the per-row real lengths as host ints (read
-    once per step, so slicing mini-batches never syncs)."""
-    P = batch.prompt_len
-    p0 = P - max(prompt_lens[i] for i in idx)  # first prompt column any selected row uses
-    T = max(1, max(response_lens[i] for i in idx))
-    ix = torch.as_tensor(idx, device=batch.sequences.device)
-    return RolloutBatch(
-        sequences=batch.sequences[ix, p0:P + T], attention_mask=batch.attention_mask[ix, p0:P + T],
-        prompt_len=P - p0, response_mask=batch.response_mask[ix, :T],
-        sampled_logprob=batch.sampled_logprob[ix, :T], topk_ids=batch.topk_ids[ix, :T],
-        topk_logprobs=batch.topk_logprobs[ix, :T],
-        logits=batch.logits[ix, :T] if batch.logits is not None else None)
-
-
-def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False):
-    """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
-
-    Args:
-        model: the trainer's causal LM.
-        batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
-        advantages: (B,) per-sequence advantages (broadcast over the response tokens).
-        cfg: reads mode, estimator, delta_low/high, eps_low/high, is_cap, loss_agg,
-            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present).
-        validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
-            the engine's outputs are known good).
-
-    Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached).
-    """
-    logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
-    return policy_loss(
-        logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs,
-        advantages.to(logits.device), batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
-        delta_low=cfg.delta_low, delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        is_cap=cfg.is_cap, loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=batch.logits,
-        validate=validate)
-
-
-def build_engine(cfg: TrainConfig, model, tokenizer):
-    """The rollout engine named by ``cfg.engine`` with a copy of ``model``'s weights."""
-    return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
-                       pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
-                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k)
-
-
+# ------------------------------------------------------------------ the data schedule
 def step_prompts(step: int, cfg: TrainConfig, n_train: int) -> list[int]:
     """Training-problem indices of ``step``: consecutive slices of a seeded permutation per epoch.
 
@@ -119,12 +75,14 @@ def step_prompts(step: int, cfg: TrainConfig, n_train: int) -> list[int]:
 
 
 def rollout_seed(cfg: TrainConfig, step: int) -> int:
+    """The engine's sampling seed of ``step`` (its mini-batch shuffle uses this + 1)."""
     return (cfg.seed * 7_919 + step * 104_729 + 17) % (2**62)
 
 
+# ------------------------------------------------------------------ before the loop
 @dataclass
 class Setup:
-    """Everything :func:`train` builds before the loop (also handy for notebooks/the audit)."""
+    """Everything :func:`train` builds before the loop (also the direction audit's policy source)."""
 
     cfg: TrainConfig
     model: torch.nn.Module
@@ -139,6 +97,7 @@ class Setup:
 
 
 def setup(cfg: TrainConfig, console=None) -> Setup:
+    """SFT base (cached), model + tokenizer, task, encoded prompts, AdamW, rollout engine."""
     torch.set_num_threads(cfg.threads)
     base = ensure_sft_checkpoint(cfg, console=console)
     model, tok = load_model_and_tokenizer(base, cfg.device)
@@ -146,46 +105,47 @@ def setup(cfg: TrainConfig, console=None) -> Setup:
     task = build_task(cfg)
     tr = encode_prompts(tok, [p.prompt for p in task.train], use_chat_template=cfg.use_chat_template)
     ev = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    opt = make_optimizer(model, cfg)
     engine = build_engine(cfg, model, tok)
     return Setup(cfg, model, tok, engine, opt, task, get_reward(cfg.reward), tr, ev, base)
 
 
-def _mean(xs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([x.float() for x in xs]).mean()
-
-
-# ------------------------------------------------------------------ the loop
-def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
-    """Run (or resume) RL training; returns the summary (also written to ``summary.json``)."""
-    import json
-
-    from rich.console import Console
-
-    console = console or Console()
-    cfg.validate()
+def open_run(cfg: TrainConfig, *, resume: bool, console) -> tuple[Setup, int]:
+    """:func:`setup`, then the run directory: a fresh one, or the latest checkpoint restored
+    (metrics after it cut from ``metrics.jsonl``). Returns the setup and the first step."""
     run_dir = cfg.run_dir
     ckpt = latest_checkpoint(run_dir) if resume else None
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ValueError(f"name: run directory {str(run_dir)!r} already has metrics; pass --resume or a new name")
     S = setup(cfg, console)
-    model, tok, engine, opt = S.model, S.tokenizer, S.engine, S.optimizer
     start = 0
     if ckpt is not None:
-        start = load_checkpoint(ckpt, model=model, optimizer=opt, engine=engine)["step"]
+        start = load_checkpoint(ckpt, model=S.model, optimizer=S.optimizer, engine=S.engine)["step"]
         truncate_jsonl(run_dir / "metrics.jsonl", start)
         console.print(f"resuming {run_dir} from step {start}")
     elif resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # killed before its first checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(_yaml(cfg.to_dict()))
+    return S, start
+
+
+# ------------------------------------------------------------------ the loop
+def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
+    """Run (or resume) RL training; returns the summary (also written to ``summary.json``)."""
+    from rich.console import Console
+
+    console = console or Console()
+    cfg.validate()
+    S, start = open_run(cfg, resume=resume, console=console)
+    model, tok, engine, opt = S.model, S.tokenizer, S.engine, S.optimizer
+    run_dir = cfg.run_dir
     log = RunLogger(run_dir, tensorboard=cfg.tensorboard, purge_step=start + 1 if start else None)
     answers = [p.answer for p in S.task.train]
     ev_answers = [p.answer for p in S.task.eval]
-    n = cfg.prompts_per_step * cfg.group_size
-    mb = n // cfg.minibatches
+    n = cfg.prompts_per_step * cfg.group_size  # rollouts per step
+    mb = n // cfg.minibatches  # rollouts per mini-batch
     base = sft_info(S.base_path)
-
     scorers = eval_rewards(cfg)
 
     def evaluate() -> dict[str, float]:
@@ -204,60 +164,43 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
             # --- sync: the engine gets the trainer's weights (cast to its precision)
             if step % cfg.sync_every == 0 and step > 0:
                 engine.load_weights(model.state_dict())
-            # --- rollout: group_size samples of each prompt, consecutive
+            # --- rollout: group_size samples of each prompt (consecutive), rewards, GRPO advantages
             pidx = step_prompts(step, cfg, len(S.train_ids))
-            prompts = [S.train_ids[i] for i in pidx for _ in range(cfg.group_size)]
-            batch = engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, seed=rollout_seed(cfg, step),
-                                    return_logits=cfg.full_logits)
-            texts = decode_responses(tok, batch)
-            rewards = rewards_for(texts, [answers[i] for i in pidx for _ in range(cfg.group_size)], S.reward_fn)  # (n,)
-            adv = group_advantages(rewards, cfg.group_size, std_norm=cfg.adv_std_norm)  # (n,)
+            ro = rollout_step(engine, tok, [S.train_ids[i] for i in pidx], [answers[i] for i in pidx], S.reward_fn,
+                              group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                              seed=rollout_seed(cfg, step), std_norm=cfg.adv_std_norm, return_logits=cfg.full_logits)
+            batch, adv = ro.batch, ro.advantages  # sequences (n, P + T), advantages (n,)
             t1 = time.time()
             # --- updates: `minibatches` slices of a seeded shuffle, `epochs` passes
             g = torch.Generator().manual_seed(rollout_seed(cfg, step) + 1)
-            plens = batch.attention_mask[:, :batch.prompt_len].sum(1).tolist()
-            rlens = batch.response_mask.sum(1).tolist()
-            mets: dict[str, list[torch.Tensor]] = {}
-            grad_norms, first = [], None
+            plens = batch.attention_mask[:, :batch.prompt_len].sum(1).tolist()  # (n,) host ints, one sync
+            rlens = batch.response_mask.sum(1).tolist()  # (n,)
+            loss_metrics, grad_norms, first = [], [], None
             for _ in range(cfg.epochs):
                 perm = torch.randperm(n, generator=g).tolist()
                 for j in range(cfg.minibatches):
                     idx = perm[j * mb:(j + 1) * mb]
-                    sub = select(batch, idx, plens, rlens)
+                    sub = select(batch, idx, plens, rlens)  # (mb, p + t), padding columns trimmed
                     # full input validation once per run (first update): the engine's
                     # outputs are then trusted and the hot path skips the host sync
-                    out = compute_loss(model, sub, adv[idx], cfg, validate=first is None and step == start)
-                    opt.zero_grad(set_to_none=True)
-                    out.loss.backward()
-                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-                    opt.step()
-                    grad_norms.append(gn.detach())
-                    for k, v in out.metrics.items():
-                        mets.setdefault(k, []).append(v)
+                    out, gn = update_step(model, opt, sub, adv[idx], cfg, validate=first is None and step == start)
+                    loss_metrics.append(out.metrics)
+                    grad_norms.append(gn)
                     if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
                         first = _mismatch(out.stats, sub.response_mask)
             t2 = time.time()
-            # --- metrics: one host sync for the whole step
-            names = ["reward", "train_accuracy", "response_length", "zero_adv_frac", "grad_norm"]
-            vals = [rewards.mean(), (rewards > 0.5).float().mean(), batch.response_mask.sum(1).float().mean(),
-                    (adv == 0).float().mean(), _mean(grad_norms)]
-            for k, v in first.items():
-                names.append(k)
-                vals.append(v)
-            for k, v in mets.items():
-                names.append(k)
-                vals.append(torch.stack([x.float() for x in v]).sum() if k.startswith("num_") else _mean(v))
-            dev = batch.sequences.device  # one device, one host sync for the whole record
-            rec = dict(zip(names, torch.stack([v.float().to(dev) for v in vals]).tolist()))
+            # --- log: one host sync for the step's metrics, then timings and (every eval_every) eval
+            rec = step_metrics(ro, grad_norms, first, loss_metrics)
             ntok = sum(rlens)
-            rec.update({"step": step + 1, "engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0,
-                        "time_update_s": t2 - t1, "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
+            rec.update({"engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0, "time_update_s": t2 - t1,
+                        "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 rec.update(evaluate())
             rec["time_step_s"] = time.time() - t0
             rec["tokens_per_s"] = ntok / max(t2 - t0, 1e-9)
             rec["wall_s"] = time.time() - t_run
-            log.log({"step": rec.pop("step"), **rec})
+            log.log({"step": step + 1, **rec})
+            # --- save: resumable checkpoint
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(run_dir, step=step + 1, model=model, optimizer=opt, engine=engine,
                                 extra={"data_pos": (step + 1) * cfg.prompts_per_step}, keep=cfg.keep_checkpoints)
@@ -267,6 +210,27 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
     summary = summarize(read_jsonl(run_dir / "metrics.jsonl"), cfg, base)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+# ------------------------------------------------------------------ metrics
+def _mean(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.float() for x in xs]).mean()
+
+
+def step_metrics(rollout: Rollout, grad_norms: list[torch.Tensor], mismatch: dict[str, torch.Tensor],
+                 loss_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """The step's record, read back with one host sync: the rollout's metrics, the mean
+    gradient norm, the first mini-batch's mismatch, and every loss metric over the
+    mini-batches (``num_*`` counts summed, the rest averaged)."""
+    vals = {**rollout.metrics, "grad_norm": _mean(grad_norms), **mismatch}
+    per_key: dict[str, list[torch.Tensor]] = {}
+    for m in loss_metrics:
+        for k, v in m.items():
+            per_key.setdefault(k, []).append(v)
+    for k, v in per_key.items():
+        vals[k] = torch.stack([x.float() for x in v]).sum() if k.startswith("num_") else _mean(v)
+    dev = rollout.batch.sequences.device  # one device, one host sync for the whole record
+    return dict(zip(vals, torch.stack([v.float().to(dev) for v in vals.values()]).tolist()))
 
 
 def _mismatch(stats: dict, rmask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,5 +1,7 @@
 """Turning engine output into rewards, and held-out greedy evaluation.
 
+- :func:`rollout_step` — generate -> rewards -> advantages for a set of prompts: the
+  rollout half of an RL step (the training loop and the direction audit both use it).
 - :func:`decode_responses` — response strings of a :class:`RolloutBatch` (EOS dropped).
 - :func:`rewards_for` — (B,) float32 rewards from a reward function.
 - :func:`group_advantages` — GRPO advantages per sequence.
@@ -7,6 +9,8 @@
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +51,55 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool =
     if std_norm:
         a = a / (g.std(-1, unbiased=False, keepdim=True) + eps)
     return a.reshape(-1)
+
+
+@dataclass
+class Rollout:
+    """One rollout step's output: ``B = len(prompts) * group_size`` rows, groups consecutive."""
+
+    batch: RolloutBatch  # tokens, log mu_k (B, T), top-K of mu (B, T, K)
+    rewards: torch.Tensor  # (B,) float32
+    advantages: torch.Tensor  # (B,) float32
+    group_size: int
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """What the training loop logs of the rollout (0-dim tensors, no host sync)."""
+        r, a = self.rewards, self.advantages
+        return {"reward": r.mean(), "train_accuracy": (r > 0.5).float().mean(),
+                "response_length": self.batch.response_mask.sum(1).float().mean(),
+                "zero_adv_frac": (a == 0).float().mean()}
+
+    @property
+    def flat_group_frac(self) -> torch.Tensor:
+        """Share of groups whose rewards are all equal (their advantages are all 0)."""
+        return (self.rewards.reshape(-1, self.group_size).std(-1, unbiased=False) == 0).float().mean()
+
+
+def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str], reward_fn, *, group_size: int,
+                 max_new_tokens: int, seed: int, std_norm: bool = True, return_logits: bool = False) -> Rollout:
+    """Sample ``group_size`` responses to each prompt, reward them, GRPO advantages.
+
+    Args:
+        engine: a :class:`pdmask.engine.RolloutEngine`.
+        tokenizer: decodes the responses for the reward function.
+        prompts: token ids of each prompt (P prompts); each is sampled ``group_size``
+            times, the copies consecutive (a group).
+        answers: the reference answer of each prompt (P).
+        reward_fn: ``reward_fn(response_text, answer) -> float``.
+        seed: the engine's sampling seed (a pure function of the step keeps runs
+            reproducible and resumable).
+        std_norm: divide by the group's std (see :func:`group_advantages`).
+        return_logits: also fetch the engine's full logits (``batch.logits``, (B, T, V)).
+    """
+    if len(prompts) != len(answers):
+        raise ValueError(f"answers: expected one per prompt ({len(prompts)}), got {len(answers)}")
+    batch = engine.generate([p for p in prompts for _ in range(group_size)], max_new_tokens=max_new_tokens,
+                            seed=seed, return_logits=return_logits)
+    rewards = rewards_for(decode_responses(tokenizer, batch), [a for a in answers for _ in range(group_size)],
+                          reward_fn)  # (B,)
+    adv = group_advantages(rewards, group_size, std_norm=std_norm)  # (B,)
+    return Rollout(batch, rewards, adv, group_size)
 
 
 @torch.no_grad()
