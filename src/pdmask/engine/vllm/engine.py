@@ -12,7 +12,7 @@ What each method returns and how:
   ``log_softmax(engine_logits / temperature)`` -- the distribution the token was drawn
   from -- and not of the raw logits. vLLM returns, per generated token, the sampled token
   first and then the top-K in rank order (``flat_logprobs=True`` keeps these as flat
-  lists); :func:`pdmask.integrations.vllm.from_vllm_outputs` turns them into padded
+  lists); :func:`pdmask.formats.vllm.from_vllm_outputs` turns them into padded
   tensors and checks the logprobs mode. One seed per request is derived from
   ``seed`` and the row index, so a call is reproducible and repeated prompts (a GRPO group)
   still get different samples.
@@ -313,7 +313,7 @@ class VLLMEngine(RolloutEngine):
                   for s in request_seeds(seed, len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-        from ...integrations.vllm import from_vllm_outputs
+        from ...formats.vllm import from_vllm_outputs
 
         B, K = len(prompts), self.top_k_logprobs
         r = from_vllm_outputs(outs, k=K, sampling_params=params[0], logprobs_mode="processed_logprobs",

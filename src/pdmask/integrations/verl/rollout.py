@@ -12,7 +12,7 @@ The replica here (``rollout.name=pdmask_vllm``, registered in verl's
 ``RolloutReplicaRegistry``) runs verl's own server with one change: its engine handle
 asks vLLM for ``logprobs=K`` and keeps the final ``RequestOutput``; the server then adds
 four per-sample arrays to ``extra_fields`` (:data:`EXTRA_KEYS`), converted by pdmask's
-vLLM reader :func:`pdmask.integrations.vllm.from_vllm_logprobs`:
+vLLM reader :func:`pdmask.formats.vllm.from_vllm_logprobs`:
 
 - ``pdmask_topk_ids`` (T, K) int32 and ``pdmask_topk_logprobs`` (T, K) float32: the
   top-K of the sampling distribution, by rank;
@@ -54,11 +54,11 @@ def completion_topk_fields(completion, *, k: int, logprobs_mode: str | None = No
 
     ``completion.logprobs`` may be dicts of ``Logprob`` or a ``FlatLogprobs``; the
     conversion (sampled token by id, ranks, merging) is
-    :func:`pdmask.integrations.vllm.from_vllm_logprobs`, which also checks
+    :func:`pdmask.formats.vllm.from_vllm_logprobs`, which also checks
     ``logprobs_mode`` against the sampling settings (warns on ``raw_logprobs`` with a
     temperature or truncation, refuses ``*_logits``).
     """
-    from ..vllm import from_vllm_logprobs
+    from ...formats.vllm import from_vllm_logprobs
 
     sp = sampling_params
     r = from_vllm_logprobs(
