@@ -23,7 +23,8 @@ With verl's default ``rollout.logprobs_mode=processed_logprobs`` these are log-p
 ``softmax(logits / T)`` after top-k/top-p truncation: the distribution the tokens were
 sampled from, which is what the trust region is anchored to.
 
-Everything in this module except :func:`register_rollout` runs without verl or vLLM.
+Everything in this module runs without verl or vLLM; :func:`.registration.register_rollout`
+puts the replica (:mod:`.vllm_server`) in verl's registry.
 """
 
 from __future__ import annotations
@@ -128,23 +129,5 @@ def check_max_logprobs(engine_kwargs: dict, k: int) -> None:
                          f"rollout.custom.{TOPK_KEY}={k}")
 
 
-def _load_replica():
-    from .vllm_server import PdmaskVLLMReplica
-
-    return PdmaskVLLMReplica
-
-
-def register_rollout() -> None:
-    """``rollout.name=pdmask_vllm``: our replica for the servers, verl's vLLM adapter in the
-    hybrid workers (weights sync exactly as with ``rollout.name=vllm``)."""
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    RolloutReplicaRegistry.register(REPLICA_NAME, _load_replica)
-    # get_rollout_class(name, mode) looks the worker-side adapter up in this dict; verl 0.9.1
-    # has no function to add to it.
-    rollout_base._ROLLOUT_REGISTRY[(REPLICA_NAME, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
-
-
 __all__ = ["DEFAULT_TOPK", "EXTRA_KEYS", "REPLICA_NAME", "TOPK_KEY", "TopKEngine", "check_max_logprobs",
-           "completion_topk_fields", "register_rollout", "topk_from_config"]
+           "completion_topk_fields", "topk_from_config"]
