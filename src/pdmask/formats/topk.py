@@ -38,8 +38,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-#: Engine log-probs above this are not log-probs (raw logits, or a wrong mode).
-LOGPROB_TOL = 1e-3
+# Engine log-probs above LOGPROB_TOL are not log-probs (raw logits, or a wrong mode); the
+# same tolerance as the core's checks of the loss inputs.
+from .._validate import LOGPROB_TOL
+
 #: Stand-in for an unknown rank: sorts after every real rank.
 _NO_RANK = 1 << 62
 
