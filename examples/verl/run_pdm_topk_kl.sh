@@ -4,7 +4,7 @@
 #
 # NEEDS GPUs (vLLM, FSDP, flash-attn). It was NOT run in pdmask's CI or by its authors; the config
 # keys below are checked against verl 0.9.1's real config schema by
-# tests/integrations/verl/test_verl_config.py (PDMASK_PRINT_OVERRIDES=1 prints them).
+# tests/integrations/verl/test_verl_plugin.py::test_launch_script_config_composes (PDMASK_PRINT_OVERRIDES=1 prints them).
 #
 #   pip install 'pdmask[verl]' vllm          # vllm: the GPU build verl 0.9.1 pairs with
 #   MODEL=Qwen/Qwen3-4B-Base TRAIN=~/data/dapo/train.parquet VAL=~/data/aime/test.parquet \

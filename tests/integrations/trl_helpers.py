@@ -3,13 +3,19 @@ independently, a vLLM-shaped fake generator, and the trainer factory."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from datasets import Dataset
-from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_extract
-from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer
 
-import pdmask
-from pdmask.integrations.trl import GRPOConfig, GRPOTrainer
+# engine_fakes.py lives with the converter tests (tests/formats), which share it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
+from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_extract  # noqa: E402
+from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer  # noqa: E402
+
+import pdmask  # noqa: E402
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 
 def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):

@@ -1,17 +1,10 @@
-"""Bridges from rollout engines and trainers to the core library.
+"""Plugins for the trainers practitioners already use.
 
-- :mod:`pdmask.integrations.topk` -- :class:`RolloutTopK` and the one assembler every
-  engine format goes through (entries -> padded (B, T, K) tensors).
-- :mod:`pdmask.integrations.vllm` -- vLLM ``CompletionOutput.logprobs`` (dicts of
-  ``Logprob`` or ``FlatLogprobs``) and TRL's rank-sorted lists; ``logprobs_mode`` checks.
-- :mod:`pdmask.integrations.sglang` -- SGLang ``meta_info`` (nested or flat raw format).
 - :mod:`pdmask.integrations.trl` -- ``GRPOConfig`` / ``GRPOTrainer`` subclasses for TRL
   (needs the ``trl`` extra).
+- :mod:`pdmask.integrations.verl` -- a verl plugin: policy losses, a top-K vLLM rollout
+  and a training engine (needs the ``verl`` extra; loaded by verl through its entry point).
 
-None of these import vLLM, SGLang or TRL at module level except ``trl`` (which is only
-imported when you import :mod:`pdmask.integrations.trl`).
+Importing this package imports neither framework; each subpackage imports its own when
+imported. The engine-output converters they use are in :mod:`pdmask.formats`.
 """
-
-from .topk import RolloutTopK
-
-__all__ = ["RolloutTopK"]

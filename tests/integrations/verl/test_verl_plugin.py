@@ -52,7 +52,7 @@ def test_plugin_selected_by_name_in_a_fresh_interpreter():
 def test_engine_lookup(monkeypatch):
     from verl.workers.engine.base import EngineRegistry
 
-    from pdmask.integrations.verl.engine import PdmaskFSDPEngine
+    from pdmask.integrations.verl.training_engine import PdmaskFSDPEngine
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")  # the lookup key a GPU worker uses
     for backend in ("fsdp", "fsdp2"):

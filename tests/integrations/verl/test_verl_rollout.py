@@ -53,7 +53,7 @@ def test_sampled_outside_topk_keeps_its_own_logprob():
 
 
 def test_raw_mode_with_temperature_warns_and_logits_mode_refused():
-    from pdmask.integrations.vllm import EngineSemanticsWarning
+    from pdmask.formats.vllm import EngineSemanticsWarning
 
     logits = torch.randn(1, 3, 9, generator=torch.Generator().manual_seed(2))
     outs, _ = vllm_sample(logits, [3], k=3, temperature=0.5, mode="raw_logprobs")

@@ -113,7 +113,7 @@ def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
 
 def _engine(monkeypatch, model):
     import verl.workers.engine.fsdp.transformer_impl as impl
-    from pdmask.integrations.verl.engine import PdmaskFSDPEngine
+    from pdmask.integrations.verl.training_engine import PdmaskFSDPEngine
 
     monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")

@@ -26,12 +26,12 @@ needs_verl = pytest.mark.skipif(not HAVE_VERL, reason=VERL_REASON)
 
 
 def load_engine_fakes():
-    """tests/integrations/engine_fakes.py (vLLM-shaped stand-ins), loaded by path under a
+    """tests/formats/engine_fakes.py (vLLM-shaped stand-ins), loaded by path under a
     private name so no directory is added to sys.path."""
     name = "_pdmask_verl_engine_fakes"
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "engine_fakes.py"
+    path = Path(__file__).resolve().parents[2] / "formats" / "engine_fakes.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up in sys.modules

@@ -12,7 +12,7 @@ What each method returns and how:
   ``log_softmax(engine_logits / temperature)`` -- the distribution the token was drawn
   from -- and not of the raw logits. vLLM returns, per generated token, the sampled token
   first and then the top-K in rank order (``flat_logprobs=True`` keeps these as flat
-  lists); :func:`pdmask.integrations.vllm.from_vllm_outputs` turns them into padded
+  lists); :func:`pdmask.formats.vllm.from_vllm_outputs` turns them into padded
   tensors and checks the logprobs mode. One seed per request is derived from
   ``seed`` and the row index, so a call is reproducible and repeated prompts (a GRPO group)
   still get different samples.
@@ -66,6 +66,19 @@ from .support import (PRECISIONS, TORCH_DTYPES, checkpoint_shapes, head_dim_of, 
 #: closing one engine tears it down under any other, so at most one may be open at a time)
 _OPEN_INPROCESS: weakref.WeakSet = weakref.WeakSet()
 
+
+def _close_open_inprocess_engines() -> None:
+    for other in list(_OPEN_INPROCESS):
+        if other._llm is not None:
+            # vLLM's in-process engine core keeps process-global state: building a second
+            # engine next to a live one breaks the first when either shuts down. The
+            # trainer never closes its engine explicitly, so the older one is closed here.
+            warnings.warn("closing the previous VLLMEngine: vLLM's in-process mode allows one "
+                          "engine per process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 for several)",
+                          RuntimeWarning, stacklevel=3)  # points at the VLLMEngine(...) call
+            other.close()
+
+
 class VLLMEngine(RolloutEngine):
     """Rollout engine backed by ``vllm.LLM`` (see the module docstring for the contract).
 
@@ -115,6 +128,25 @@ class VLLMEngine(RolloutEngine):
         self._llm = None
         self._tmpdir: str | None = None
         self._update_dir: str | None = None
+        # everything that can be checked without vLLM is checked before importing it
+        self._configure(model_dir, precision=precision, temperature=temperature, top_k_logprobs=top_k_logprobs,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs)
+        vllm = import_vllm()
+        kwargs = self._llm_kwargs(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+                                  enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                                  seed=seed, engine_kwargs=engine_kwargs)
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        if self.in_process:
+            _close_open_inprocess_engines()
+        self._vllm = vllm
+        self._llm = vllm.LLM(**kwargs)
+        if self.in_process:
+            _OPEN_INPROCESS.add(self)
+
+    def _configure(self, model_dir, *, precision, temperature, top_k_logprobs, eos_token_id, pad_token_id,
+                   max_model_len, max_num_seqs) -> None:
+        """The settings of :meth:`__init__` that come from the arguments and ``config.json``."""
         self.model_dir = Path(model_dir)
         cfg_path = self.model_dir / "config.json"
         if not cfg_path.is_file():
@@ -148,9 +180,12 @@ class VLLMEngine(RolloutEngine):
         self.weight_version = 0
         self._weights: dict[str, torch.Tensor] | None = None  # None: still the checkpoint's
 
-        vllm = import_vllm()
+    def _llm_kwargs(self, *, max_num_seqs, kv_cache_bytes, enable_prefix_caching, enforce_eager, seed,
+                    engine_kwargs) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments, after the checks that need vLLM's platform (CPU or GPU)."""
         from vllm.platforms import current_platform
 
+        cfg = self.config
         self.on_cpu = bool(current_platform.is_cpu())
         dtype, quantization = PRECISIONS[self.precision]
         if quantization == "fp8" and self.on_cpu:
@@ -183,21 +218,7 @@ class VLLMEngine(RolloutEngine):
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(engine_kwargs or {})
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        if self.in_process:
-            for other in list(_OPEN_INPROCESS):
-                if other._llm is not None:
-                    # vLLM's in-process engine core keeps process-global state: building a second
-                    # engine next to a live one breaks the first when either shuts down. The
-                    # trainer never closes its engine explicitly, so the older one is closed here.
-                    warnings.warn("closing the previous VLLMEngine: vLLM's in-process mode allows one "
-                                  "engine per process (set VLLM_ENABLE_V1_MULTIPROCESSING=1 for several)",
-                                  RuntimeWarning, stacklevel=2)
-                    other.close()
-        self._vllm = vllm
-        self._llm = vllm.LLM(**kwargs)
-        if self.in_process:
-            _OPEN_INPROCESS.add(self)
+        return kwargs
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -313,7 +334,7 @@ class VLLMEngine(RolloutEngine):
                   for s in request_seeds(seed, len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-        from ...integrations.vllm import from_vllm_outputs
+        from ...formats.vllm import from_vllm_outputs
 
         B, K = len(prompts), self.top_k_logprobs
         r = from_vllm_outputs(outs, k=K, sampling_params=params[0], logprobs_mode="processed_logprobs",

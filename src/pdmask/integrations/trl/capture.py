@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from ..topk import RolloutTopK
+from ...formats.topk import RolloutTopK
 
 _UNSUPPORTED = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 

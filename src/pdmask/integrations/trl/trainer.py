@@ -4,7 +4,7 @@ Three private TRL 1.16 methods are overridden, each as thinly as possible:
 
 - ``_generate_single_turn``: capture mu. On the vLLM path, ask vLLM for ``logprobs=K``
   and convert TRL's rank-sorted lists with
-  :func:`pdmask.integrations.vllm.from_ranked_lists` -- which picks the *sampled*
+  :func:`pdmask.formats.vllm.from_ranked_lists` -- which picks the *sampled*
   token's log-prob by id (TRL keeps ``lp[0]``, the rank-1 token's). On the
   ``transformers`` path, attach a :class:`TopKRecorder` to ``generate``. The base
   method still does the generating; the captured tensors wait in ``self._pdmask_rollout``.
@@ -33,8 +33,8 @@ import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from ... import policy_loss
-from ..topk import RolloutTopK
-from ..vllm import check_sampling_semantics, from_ranked_lists
+from ...formats.topk import RolloutTopK
+from ...formats.vllm import check_sampling_semantics, from_ranked_lists
 from .capture import TopKRecorder
 from .config import PDMaskGRPOConfig
 

@@ -15,42 +15,20 @@ What it registers (see ``docs/verl.md``):
 - rollout ``actor_rollout_ref.rollout.name=pdmask_vllm``: verl's vLLM replica asking for
   ``logprobs=K`` and returning the top-K with each token -- :mod:`.rollout`;
 - training engine ``actor_rollout_ref.model.model_type=pdmask_language_model``: verl's
-  FSDP engine computing the per-token statistics from the logits -- :mod:`.actor`.
+  FSDP engine computing the per-token statistics from the logits -- :mod:`.actor`,
+  :mod:`.training_engine`.
+
+:mod:`.registration` puts them in verl's registries.
 
 Importing this package does not import verl.
 """
 
 from __future__ import annotations
 
-from .losses import BINARY_MODES, TOPK_MODES, loss_name, registered_names
-from .rollout import EXTRA_KEYS, REPLICA_NAME
-
 from .actor import MODEL_TYPE
-
-
-def register() -> None:
-    """Register the losses, the rollout replica and the training engine with verl (idempotent)."""
-    from .actor import register_engine
-    from .losses import register_losses
-    from .rollout import register_rollout
-
-    register_losses()
-    register_rollout()
-    register_engine()
-
-
-def check_registered() -> dict[str, bool]:
-    """Which pdmask pieces verl currently knows (after ``import verl``)."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    return {
-        "losses": all(n in POLICY_LOSS_REGISTRY for n in registered_names()),
-        "rollout": REPLICA_NAME in RolloutReplicaRegistry._registry,
-        "engine": MODEL_TYPE in EngineRegistry._engines,
-    }
-
+from .losses import BINARY_MODES, TOPK_MODES, loss_name, registered_names
+from .registration import check_registered, register
+from .rollout import EXTRA_KEYS, REPLICA_NAME
 
 __all__ = ["BINARY_MODES", "EXTRA_KEYS", "MODEL_TYPE", "REPLICA_NAME", "TOPK_MODES", "check_registered",
            "loss_name", "register", "registered_names"]

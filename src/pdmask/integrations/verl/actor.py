@@ -9,8 +9,8 @@ micro-batch to the *loss function* when the micro-batch carries the non-tensor f
     # each value (1, rows): gathered over Ulysses SP, unpadded, stored as model_output[key]
 
 That hook exists for top-K distillation; the trainer sets the flag only from the
-distillation config. :class:`PdmaskFSDPEngine` (registered in verl's ``EngineRegistry``
-as model type ``pdmask_language_model``) sets it on micro-batches that carry the rollout
+distillation config. :class:`.training_engine.PdmaskFSDPEngine` (registered in verl's
+``EngineRegistry`` as model type ``pdmask_language_model``) sets it on micro-batches that carry the rollout
 top-K and wraps the loss function in :class:`PdmaskLossFunction`, which
 
 1. as the logits processor: aligns the rollout top-K (per-sample arrays the
@@ -191,15 +191,3 @@ class PdmaskLossFunction:
         with rollout_stats(stats):
             return self.inner(model_output=model_output, data=data, dp_group=dp_group, **kwargs)
 
-
-def register_engine() -> None:
-    """Register :class:`.engine.PdmaskFSDPEngine` for ``model_type=pdmask_language_model``
-    (backends fsdp / fsdp2, devices cuda / npu)."""
-    from verl.workers.engine.base import EngineRegistry
-
-    if MODEL_TYPE in EngineRegistry._engines:  # idempotent (the plugin may be imported twice)
-        return
-    from .engine import PdmaskFSDPEngine
-
-    EngineRegistry.register(model_type=MODEL_TYPE, backend=["fsdp", "fsdp2"], device=["cuda", "npu"])(
-        PdmaskFSDPEngine)

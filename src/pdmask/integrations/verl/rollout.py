@@ -12,7 +12,7 @@ The replica here (``rollout.name=pdmask_vllm``, registered in verl's
 ``RolloutReplicaRegistry``) runs verl's own server with one change: its engine handle
 asks vLLM for ``logprobs=K`` and keeps the final ``RequestOutput``; the server then adds
 four per-sample arrays to ``extra_fields`` (:data:`EXTRA_KEYS`), converted by pdmask's
-vLLM reader :func:`pdmask.integrations.vllm.from_vllm_logprobs`:
+vLLM reader :func:`pdmask.formats.vllm.from_vllm_logprobs`:
 
 - ``pdmask_topk_ids`` (T, K) int32 and ``pdmask_topk_logprobs`` (T, K) float32: the
   top-K of the sampling distribution, by rank;
@@ -23,7 +23,8 @@ With verl's default ``rollout.logprobs_mode=processed_logprobs`` these are log-p
 ``softmax(logits / T)`` after top-k/top-p truncation: the distribution the tokens were
 sampled from, which is what the trust region is anchored to.
 
-Everything in this module except :func:`register_rollout` runs without verl or vLLM.
+Everything in this module runs without verl or vLLM; :func:`.registration.register_rollout`
+puts the replica (:mod:`.vllm_server`) in verl's registry.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def completion_topk_fields(completion, *, k: int, logprobs_mode: str | None = No
 
     ``completion.logprobs`` may be dicts of ``Logprob`` or a ``FlatLogprobs``; the
     conversion (sampled token by id, ranks, merging) is
-    :func:`pdmask.integrations.vllm.from_vllm_logprobs`, which also checks
+    :func:`pdmask.formats.vllm.from_vllm_logprobs`, which also checks
     ``logprobs_mode`` against the sampling settings (warns on ``raw_logprobs`` with a
     temperature or truncation, refuses ``*_logits``).
     """
-    from ..vllm import from_vllm_logprobs
+    from ...formats.vllm import from_vllm_logprobs
 
     sp = sampling_params
     r = from_vllm_logprobs(
@@ -128,23 +129,5 @@ def check_max_logprobs(engine_kwargs: dict, k: int) -> None:
                          f"rollout.custom.{TOPK_KEY}={k}")
 
 
-def _load_replica():
-    from .vllm_server import PdmaskVLLMReplica
-
-    return PdmaskVLLMReplica
-
-
-def register_rollout() -> None:
-    """``rollout.name=pdmask_vllm``: our replica for the servers, verl's vLLM adapter in the
-    hybrid workers (weights sync exactly as with ``rollout.name=vllm``)."""
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    RolloutReplicaRegistry.register(REPLICA_NAME, _load_replica)
-    # get_rollout_class(name, mode) looks the worker-side adapter up in this dict; verl 0.9.1
-    # has no function to add to it.
-    rollout_base._ROLLOUT_REGISTRY[(REPLICA_NAME, "async")] = rollout_base._ROLLOUT_REGISTRY[("vllm", "async")]
-
-
 __all__ = ["DEFAULT_TOPK", "EXTRA_KEYS", "REPLICA_NAME", "TOPK_KEY", "TopKEngine", "check_max_logprobs",
-           "completion_topk_fields", "register_rollout", "topk_from_config"]
+           "completion_topk_fields", "topk_from_config"]

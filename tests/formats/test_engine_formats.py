@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine_fakes as F  # noqa: E402
 
 import pdmask  # noqa: E402
-from pdmask.integrations.sglang import check_sglang_semantics, from_sglang  # noqa: E402
-from pdmask.integrations.vllm import (  # noqa: E402
+from pdmask.formats.sglang import check_sglang_semantics, from_sglang  # noqa: E402
+from pdmask.formats.vllm import (  # noqa: E402
     EngineSemanticsWarning, check_sampling_semantics, from_ranked_lists, from_vllm_logprobs,
     from_vllm_outputs, logprobs_mode_of,
 )

@@ -1,0 +1,18 @@
+"""Rollout engines' per-token log-probs -> the padded tensors :func:`pdmask.policy_loss` takes.
+
+Pure converters: they duck-type the engines' output objects and import no engine.
+
+- :mod:`pdmask.formats.topk` -- :class:`RolloutTopK` and the one assembler every
+  engine format goes through (entries -> padded (B, T, K) tensors).
+- :mod:`pdmask.formats.vllm` -- vLLM ``CompletionOutput.logprobs`` (dicts of
+  ``Logprob`` or ``FlatLogprobs``) and TRL's rank-sorted lists; ``logprobs_mode`` checks.
+- :mod:`pdmask.formats.sglang` -- SGLang ``meta_info`` (nested or flat raw format).
+
+Layering: like the core, this package never imports ``pdmask.engine``, ``pdmask.train``,
+``pdmask.audit`` or ``pdmask.integrations``; the rollout engines and the framework
+plugins import it.
+"""
+
+from .topk import RolloutTopK
+
+__all__ = ["RolloutTopK"]
