@@ -104,8 +104,13 @@ def compare(
     model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory"),
     resume: bool = typer.Option(False, "--resume", help="resume unfinished runs"),
     timing: bool = typer.Option(True, "--timing/--no-timing", help="interleaved loss-time ratio pdm/dppo at the end"),
+    reference: str = typer.Option("dppo-topk-kl", "--reference",
+                                  help="mode every other mode is compared with, seed by seed (one of --modes)"),
 ):
-    """Run several mask modes on identical data and seeds; write one report."""
+    """Run several mask modes on identical data and seeds; write one report.
+
+    summary.json / summary.md hold per-mode results over the seeds and, for every mode,
+    the paired difference from --reference (seed-bootstrap interval, sign-flip p)."""
     from .train.compare import run_compare
 
     cfg = _load(config, overrides, model)
@@ -125,7 +130,7 @@ def compare(
         if jobs < 1:
             raise ValueError(f"jobs: must be >= 1, got {jobs}")
         run_compare(cfg, modes=mode_list, seeds=seeds, deltas=delta_list, out=out, jobs=jobs, resume=resume,
-                    timing=timing, console=_console())
+                    timing=timing, reference=reference, console=_console())
     except ValueError as e:
         _fail(e)
 
@@ -134,19 +139,35 @@ def compare(
 def report(
     run_dirs: List[str] = typer.Argument(..., help="run directories or directories of runs"),
     out: Optional[str] = typer.Option(None, "--out", help="where to write the PNGs (default: first RUN_DIR/report)"),
+    reference: Optional[str] = typer.Option(
+        None, "--reference", help="mode every other mode is compared with, seed by seed "
+                                  "(default: dppo-topk-kl when the runs have it; given explicitly, it must be present)"),
 ):
-    """Overlay runs in PNG plots (eval accuracy, reward, mismatch, mask fractions) and print a table."""
-    from .train.report import find_runs, load_summaries, plot_runs, summary_table
+    """Overlay runs in PNG plots (eval accuracy with seed bands, reward, mismatch, mask fractions),
+    print tables, and (re)write the across-seed summary without rerunning anything.
+
+    The summary goes to RUN_DIR/summary.json and summary.md when a single directory of runs
+    (a compare directory) is given (its other keys are kept), else next to the PNGs."""
+    from .train.report import find_runs, load_summaries, plot_runs, summary_table, write_summary
+    from .train.seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
 
     try:
         runs = find_runs(run_dirs)
+        across = seed_summary(runs, reference=reference or DEFAULT_REFERENCE, require_reference=reference is not None)
     except ValueError as e:
         _fail(e)
     dest = Path(out) if out else Path(run_dirs[0]) / "report"
     pngs = plot_runs(runs, dest)
+    summaries = load_summaries(runs)
+    one_compare = len(run_dirs) == 1 and not (Path(run_dirs[0]) / "metrics.jsonl").exists()
+    written = write_summary(Path(run_dirs[0]) if one_compare else dest, {"runs": summaries, "across_seeds": across})
     console = _console()
-    console.print(summary_table(load_summaries(runs), title="runs"))
-    for p in pngs:
+    console.print(summary_table(summaries, title="runs"))
+    for t in seed_tables(across):
+        console.print(t)
+    for line in across["resolution"] + across["notes"]:
+        console.print(line)
+    for p in [*pngs, *written]:
         console.print(f"wrote {p}")
 
 

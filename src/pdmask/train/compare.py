@@ -3,7 +3,10 @@
 All runs share the SFT base (trained once, cached), the task, the prompt order and the
 rollout seeds of each RL seed, so they differ only by the mode (and delta). Outputs in
 ``out/``: one run directory per run, ``report/*.png``, ``summary.json`` (per-run
-summaries, the step-time ratios, wall time, machine load) and ``summary.md``.
+summaries, the step-time ratios, wall time, machine load, and under ``across_seeds`` the
+per-mode summary over seeds with paired differences against ``reference``: see
+:mod:`pdmask.train.seed_summary`) and ``summary.md``. ``pdmask report OUT`` rebuilds
+the across-seed part of both files from the run directories without rerunning anything.
 
 Step-time ratio of two modes, measured two ways:
 
@@ -18,7 +21,6 @@ Step-time ratio of two modes, measured two ways:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -30,8 +32,9 @@ import torch
 
 from .config import TrainConfig, replace
 from .grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
-from .report import find_runs, load_summaries, markdown_table, plot_runs, summary_table
+from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
 from .rollout import decode_responses, group_advantages, rewards_for
+from .seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
 from .sft import ensure_sft_checkpoint, sft_info
 
 
@@ -132,9 +135,16 @@ def _sync(device: str) -> None:
 
 def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: list[float] | None = None,
                 out: str | Path | None = None, jobs: int = 1, resume: bool = False, timing: bool = True,
-                console=None) -> dict:
+                reference: str = DEFAULT_REFERENCE, console=None) -> dict:
+    """Run every (delta, mode, seed), then write ``summary.json`` / ``summary.md`` and plots.
+
+    ``reference``: the mode every other mode is compared with, seed by seed (must be one
+    of ``modes``; checked before anything runs)."""
     from rich.console import Console
 
+    if reference not in modes:
+        raise ValueError(f"reference: mode {reference!r} is not among the compared modes ({', '.join(modes)}); "
+                         f"pass --reference with one of them")
     console = console or Console()
     out = Path(out or Path(cfg.out_dir) / f"compare-{cfg.name or 'default'}")
     out.mkdir(parents=True, exist_ok=True)
@@ -178,11 +188,17 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
                 res.setdefault("step_time_ratio_interleaved", {})[f"{b}/{a}"] = loss_time_ratio(cfg, a, b)
     res["total_wall_s"] = time.time() - t0
     res["load_avg_end"] = os.getloadavg()
-    pngs = plot_runs(find_runs([out]), out / "report")
+    runs = find_runs([out])
+    res["across_seeds"] = seed_summary(runs, reference=reference, require_reference=True)
+    pngs = plot_runs(runs, out / "report")
     res["plots"] = [str(p) for p in pngs]
-    (out / "summary.json").write_text(json.dumps(res, indent=2, default=str))
-    (out / "summary.md").write_text(compare_markdown(res))
+    (out / "summary.json").unlink(missing_ok=True)  # this call's results replace an earlier summary
+    write_summary(out, res)
     console.print(summary_table(summaries, title=f"pdmask compare ({out})"))
+    for t in seed_tables(res["across_seeds"]):
+        console.print(t)
+    for line in res["across_seeds"]["resolution"] + res["across_seeds"]["notes"]:
+        console.print(line)
     for k, v in res.get("step_time_ratio_interleaved", {}).items():
         console.print(f"step-time ratio {k} (interleaved loss fwd+bwd): {v['ratio']:.3f}")
     for k, v in res["step_time_ratio_runs"].items():
@@ -190,14 +206,3 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     console.print(f"total wall time {res['total_wall_s']:.0f} s (SFT {sft_s:.0f} s), plots in {out / 'report'}")
     return res
 
-
-def compare_markdown(res: dict) -> str:
-    lines = [f"SFT base greedy held-out accuracy: {res['sft'].get('eval_greedy_accuracy')}", "",
-             markdown_table(res["runs"]), ""]
-    for k, v in res.get("step_time_ratio_interleaved", {}).items():
-        lines.append(f"- step-time ratio {k} (interleaved loss forward+backward, {v['reps']} reps): {v['ratio']:.3f}")
-    for k, v in res.get("step_time_ratio_runs", {}).items():
-        lines.append(f"- step-time ratio {k} (median update time per 1k tokens of the runs): "
-                     f"{v['update_s_per_1k_tokens']:.3f}; per step: {v['time_step_s']:.3f}")
-    lines.append(f"- total wall time {res['total_wall_s']:.0f} s; load average at start {res['load_avg_start']}")
-    return "\n".join(lines) + "\n"

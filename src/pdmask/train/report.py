@@ -1,8 +1,12 @@
-"""Reports: overlay runs in PNG plots and print summary tables.
+"""Reports: overlay runs in PNG plots, print summary tables, summarise modes across seeds.
 
 ``pdmask report RUN_DIR...`` accepts run directories (holding ``metrics.jsonl``) and
 directories of runs (a ``pdmask compare`` output). Runs are coloured by mask mode; with
-several seeds of a mode the thin lines are the seeds and the thick line their mean.
+several seeds of a mode the thin lines are the seeds and the thick line their mean;
+``eval_accuracy_bands.png`` shows each mode's mean eval curve with its min-max band
+across seeds.
+
+The across-seed summary with paired tests is in :mod:`pdmask.train.seed_summary`.
 """
 
 from __future__ import annotations
@@ -124,7 +128,59 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
     fig_all.savefig(p, dpi=100)
     plt.close(fig_all)
     written.append(p)
+    written.append(plot_eval_bands(runs, out_dir))
     return written
+
+
+def eval_bands(runs: list[Path]) -> dict[str, dict]:
+    """Per group: ``steps``, and over the seeds evaluated at each step ``mean``, ``lo``
+    (min), ``hi`` (max) of eval_accuracy, and ``n`` (seeds at that step)."""
+    groups = defaultdict(list)
+    for r in runs:
+        groups[run_label(r)[0]].append(r)
+    out = {}
+    for g, rs in groups.items():
+        by_step = defaultdict(list)
+        for r in rs:
+            for rec in read_jsonl(r / "metrics.jsonl"):
+                if rec.get("eval_accuracy") is not None:
+                    by_step[rec["step"]].append(rec["eval_accuracy"])
+        steps = sorted(by_step)
+        out[g] = {"steps": steps, "mean": [sum(by_step[s]) / len(by_step[s]) for s in steps],
+                  "lo": [min(by_step[s]) for s in steps], "hi": [max(by_step[s]) for s in steps],
+                  "n": [len(by_step[s]) for s in steps], "seeds": len(rs)}
+    return out
+
+
+def plot_eval_bands(runs: list[Path], out_dir: str | Path) -> Path:
+    """``eval_accuracy_bands.png``: per mode the mean held-out accuracy over seeds, shaded
+    between the min and the max over seeds (not a confidence band: with a few seeds the
+    range is the honest picture of their spread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for gi, (g, b) in enumerate(eval_bands(runs).items()):
+        color = _COLORS.get(g.split(" ")[0], f"C{gi % 10}")
+        if not b["steps"]:
+            continue
+        ax.plot(b["steps"], b["mean"], "-o", color=color, lw=2, ms=3, label=f"{g} (mean of {b['seeds']} seeds)")
+        if b["seeds"] > 1:
+            ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.2, lw=0)
+    ax.set_title("Held-out greedy accuracy: mean over seeds, band = min–max over seeds", fontsize=10)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out_dir / "eval_accuracy_bands.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
 
 
 # ------------------------------------------------------------------ tables
@@ -193,3 +249,40 @@ def load_summaries(runs: list[Path]) -> list[dict]:
             if cfg is not None:
                 out.append(summarize(read_jsonl(r / "metrics.jsonl"), cfg))
     return out
+
+
+
+# ------------------------------------------------------------------ summary files
+def summary_markdown(res: dict) -> str:
+    """``summary.md`` of a compare directory from its ``summary.json`` content (every part
+    optional: a summary rebuilt by ``pdmask report`` has no timings)."""
+    lines = []
+    if res.get("sft"):
+        lines += [f"SFT base greedy held-out accuracy: {res['sft'].get('eval_greedy_accuracy')}", ""]
+    if res.get("runs"):
+        lines += ["## Runs", "", markdown_table(res["runs"]), ""]
+    for k, v in res.get("step_time_ratio_interleaved", {}).items():
+        lines.append(f"- step-time ratio {k} (interleaved loss forward+backward, {v['reps']} reps): {v['ratio']:.3f}")
+    for k, v in res.get("step_time_ratio_runs", {}).items():
+        lines.append(f"- step-time ratio {k} (median update time per 1k tokens of the runs): "
+                     f"{v['update_s_per_1k_tokens']:.3f}; per step: {v['time_step_s']:.3f}")
+    if "total_wall_s" in res:
+        lines.append(f"- total wall time {res['total_wall_s']:.0f} s; load average at start {res['load_avg_start']}")
+    if res.get("across_seeds"):
+        from .seed_summary import seed_markdown
+
+        lines += ["", seed_markdown(res["across_seeds"])]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_summary(directory: str | Path, updates: dict) -> tuple[Path, Path]:
+    """Merge ``updates`` into ``directory/summary.json`` (other keys kept) and rewrite
+    ``summary.md`` from the result. Returns both paths."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    pj, pm = d / "summary.json", d / "summary.md"
+    res = json.loads(pj.read_text()) if pj.exists() else {}
+    res.update(updates)
+    pj.write_text(json.dumps(res, indent=2, default=str))
+    pm.write_text(summary_markdown(res))
+    return pj, pm

@@ -1,0 +1,167 @@
+"""The across-seed summary of a compare, on constructed run directories whose answer is
+known (see compare_toy.py for the data: 4 seeds of dppo-topk-kl, pdm-topk-kl and none)."""
+
+import json
+
+import pytest
+from compare_toy import make_compare_dir, runs_of, write_run
+
+from pdmask.train.seed_summary import resolution_note, run_scalars, seed_summary
+
+
+@pytest.fixture
+def compare_dir(tmp_path):
+    return make_compare_dir(tmp_path / "cmp")
+
+
+def test_run_scalars_hand_worked(tmp_path):
+    recs = [json.loads(line) for line in (write_run(tmp_path, "dppo-topk-kl", 0) / "metrics.jsonl").read_text().splitlines()]
+    s = run_scalars(recs, sync_every=2)
+    assert s["eval_final"] == 0.65
+    # last 5 evals: steps 4..8 = 0.60, 0.60, 0.62, 0.64, 0.65 -> 3.11 / 5
+    assert s["eval_last5"] == pytest.approx(3.11 / 5)
+    # trapezoid on unit steps 0..8: (0.10 + 0.65)/2 + (0.40+0.50+0.55+0.60+0.60+0.62+0.64) = 4.285; / 8
+    assert s["eval_auc"] == pytest.approx(4.285 / 8)
+    assert s["worst_drop"] == 0.0  # monotone curve
+    # sync_every 2: window = 2 * ceil(5/2) = 6 steps (3..8): 1e-3 * (3+4+5+6+7+8)/6 = 5.5e-3
+    assert s["mismatch_final"] == pytest.approx(5.5e-3)
+    # sync_every 1: the last 5 steps (4..8): 6e-3
+    assert run_scalars(recs, sync_every=1)["mismatch_final"] == pytest.approx(6e-3)
+    # 8 steps of 0.01 * 1000 masked tokens
+    assert (s["masked_tokens"], s["tokens"], s["masked_frac"]) == pytest.approx((80, 8000, 0.01))
+    assert s["masked_counts"] == "masked_frac*num_tokens" and (s["steps"], s["evals"]) == (8, 9)
+    # the collapse: best 0.60 at step 4, last 0.20 -> worst drop 0.40
+    none = [json.loads(line) for line in (write_run(tmp_path, "none", 0) / "metrics.jsonl").read_text().splitlines()]
+    assert run_scalars(none)["worst_drop"] == pytest.approx(0.40)
+    with pytest.raises(ValueError, match="eval_accuracy"):
+        run_scalars([{"step": 1, "reward": 0.0}])
+
+
+def test_seed_summary_known_answers(compare_dir):
+    s = seed_summary(runs_of(compare_dir), n_boot=2000)
+    g = {e["group"]: e for e in s["groups"]}
+    assert s["reference"] == "dppo-topk-kl" and s["n_seeds"] == 4
+    ref, pdm, none = g["dppo-topk-kl"], g["pdm-topk-kl"], g["none"]
+    assert ref["vs_reference"] is None and ref["seeds"] == [0, 1, 2, 3] and ref["steps"] == [8]
+    # reference final accuracy: 0.65 + 0.01 * seed -> mean 0.665, range 0.65-0.68
+    m = ref["metrics"]["eval_final"]
+    assert (m["mean"], m["min"], m["max"]) == pytest.approx((0.665, 0.65, 0.68))
+
+    # masked fraction of the reference pooled over seeds: sum_s 0.01 (s+1) 1000 (s+1) / sum_s 1000 (s+1)
+    # = 0.01 * (1+4+9+16) / (1+2+3+4) = 0.03, while the mean of the per-seed fractions is 0.025
+    mp = ref["masked_frac_pooled"]
+    assert mp["estimate"] == pytest.approx(0.03) and mp["per_cluster_mean"] == pytest.approx(0.025)
+    assert mp["den"] == 8 * 1000 * 10 and mp["lo"] <= mp["estimate"] <= mp["hi"]
+    assert ref["metrics"]["masked_frac"]["mean"] == pytest.approx(0.025)  # the per-seed mean stays secondary
+    # pdm logs num_masked (30 of 1000 per step): counts are used, the bogus masked_frac = 0.5 is not
+    assert pdm["masked_frac_pooled"]["estimate"] == pytest.approx(0.03)
+
+    v = pdm["vs_reference"]
+    assert v["reference_group"] == "dppo-topk-kl" and v["seeds"] == [0, 1, 2, 3] and v["n"] == 4
+    # final accuracy: per-seed differences = PDM_OFFSET = (0.10, 0.05, -0.02, 0.07): mean 0.05;
+    # sign flips (worked in tests/test_significance.py): p = 4/16
+    f = v["eval_final"]
+    assert f["estimate"] == pytest.approx(0.05) and f["p"] == 0.25 and f["p_method"] == "exact"
+    assert (f["wins"], f["losses"]) == (3, 1) and f["lo"] <= 0.05 <= f["hi"]
+    assert v["eval_last5"]["estimate"] == pytest.approx(0.05) and v["eval_last5"]["p"] == 0.25
+    # AUC: the offset holds from step 1 on; the 0->1 trapezoid carries half of it: 7.5/8 of the offset
+    assert v["eval_auc"]["estimate"] == pytest.approx(0.05 * 7.5 / 8)
+    # both curves monotone: no drop, d = 0 everywhere, p = 1
+    assert v["worst_drop"]["estimate"] == 0.0 and v["worst_drop"]["p"] == 1.0
+    assert v["mismatch_final"]["estimate"] == pytest.approx(0.0, abs=1e-15)
+    # masked: pooled 0.03 - 0.03 = 0; per-seed differences 0.03 - 0.01 (s+1) = (0.02, 0.01, 0, -0.01),
+    # observed sum 0.02. The zero's sign is free (x2); of the 8 patterns a, b, c of
+    # |0.02a + 0.01b - 0.01c|, all but (+, -, +) and (-, +, -) (sum 0) reach 0.02: p = 12/16 = 0.75
+    mk = v["masked_frac"]
+    assert mk["estimate"] == pytest.approx(0.0, abs=1e-12) and mk["p"] == pytest.approx(0.75)
+
+    w = none["vs_reference"]
+    # collapse: final 0.20 + 0.01 s vs 0.65 + 0.01 s -> -0.45 on every seed; 4 of one sign: p = 2/16
+    assert w["eval_final"]["estimate"] == pytest.approx(-0.45) and w["eval_final"]["p"] == 0.125
+    assert w["eval_final"]["lo"] == pytest.approx(-0.45) and w["eval_final"]["hi"] == pytest.approx(-0.45)
+    assert w["worst_drop"]["estimate"] == pytest.approx(0.40) and w["worst_drop"]["p"] == 0.125
+    # mismatch 10x: 5.5e-2 - 5.5e-3
+    assert w["mismatch_final"]["estimate"] == pytest.approx(5.5e-2 - 5.5e-3)
+    assert w["masked_frac"]["estimate"] == pytest.approx(-0.03) and w["masked_frac"]["p"] == 0.125
+
+    assert s["resolution"] == [resolution_note(4)]
+    assert "2/2^4 = 0.125" in s["resolution"][0] and "no difference can reach p < 0.05" in s["resolution"][0]
+    assert s["notes"] == []
+
+
+def test_seed_summary_pairs_on_common_seeds_and_notes_it(compare_dir):
+    import shutil
+
+    shutil.rmtree(compare_dir / "pdm-topk-kl-s3")
+    s = seed_summary(runs_of(compare_dir), n_boot=500)
+    v = next(e for e in s["groups"] if e["group"] == "pdm-topk-kl")["vs_reference"]
+    # seeds 0..2: offsets 0.10, 0.05, -0.02 -> mean 0.13/3
+    assert v["seeds"] == [0, 1, 2] and v["eval_final"]["estimate"] == pytest.approx(0.13 / 3)
+    assert any("paired on the 3 seeds" in n for n in s["notes"])
+    assert sorted(s["resolution"]) == sorted([resolution_note(3), resolution_note(4)])
+
+
+def test_reference_refusal_and_absence(compare_dir):
+    runs = runs_of(compare_dir)
+    with pytest.raises(ValueError, match=r"^reference: mode 'grpo' is not among the runs' modes"):
+        seed_summary(runs, reference="grpo", require_reference=True)
+    s = seed_summary(runs, reference="grpo", n_boot=200)  # not required: no paired part, said so
+    assert all(e["vs_reference"] is None for e in s["groups"])
+    assert s["notes"] == ["No paired differences: the reference mode grpo is not among the runs."]
+    # another reference among the modes: everything is paired against it
+    s = seed_summary(runs, reference="none", n_boot=200)
+    v = next(e for e in s["groups"] if e["group"] == "dppo-topk-kl")["vs_reference"]
+    assert v["eval_final"]["estimate"] == pytest.approx(0.45)
+
+
+def test_duplicate_seed_is_refused(compare_dir, tmp_path):
+    other = tmp_path / "other"
+    write_run(other, "none", 0)
+    with pytest.raises(ValueError, match="run_dirs: two runs of none with seed 0"):
+        seed_summary(runs_of(compare_dir) + runs_of(other))
+
+
+def test_resolution_note():
+    assert "2/2^2 = 0.5" in resolution_note(2) and "p < 0.05" in resolution_note(2)
+    n6 = resolution_note(6)
+    assert "2/2^6 = 0.0312" in n6 and "no difference can reach" not in n6
+
+
+def test_compare_refuses_a_reference_outside_the_modes(tmp_path, smoke_config, cli):
+    run_cli, _ = cli
+    out = tmp_path / "cmp"
+    p = run_cli(["compare", "--config", smoke_config, "--modes", "grpo,pdm-topk-kl", "--out", out],
+                cwd=tmp_path, check=False, timeout=60)
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert err == ["error: reference: mode 'dppo-topk-kl' is not among the compared modes (grpo, pdm-topk-kl); "
+                   "pass --reference with one of them"]
+    assert not out.exists()  # refused before anything ran
+
+
+def test_one_seed_has_no_interval_and_cannot_reject(tmp_path):
+    root = tmp_path / "one"
+    for mode in ("dppo-topk-kl", "pdm-topk-kl"):
+        write_run(root, mode, 0)
+    s = seed_summary(runs_of(root), n_boot=200)
+    v = next(e for e in s["groups"] if e["group"] == "pdm-topk-kl")["vs_reference"]
+    f = v["eval_final"]
+    # one pair: d = 0.10; no bootstrap interval (None, not NaN: summary.json stays strict JSON); p = 2/2 = 1
+    assert f["estimate"] == pytest.approx(0.10) and f["lo"] is None and f["hi"] is None and f["p"] == 1.0
+    assert "2/2^1 = 1" in s["resolution"][0]
+    json.loads(json.dumps(s), parse_constant=lambda c: pytest.fail(f"non-finite {c} in the summary"))
+
+
+def test_masked_counts_only_from_steps_that_log_them():
+    recs = [{"step": 0, "eval_accuracy": 0.1},
+            {"step": 1, "eval_accuracy": 0.2, "num_tokens": 100.0, "num_masked": 5.0},
+            {"step": 2, "eval_accuracy": 0.3, "num_tokens": 300.0, "masked_frac": 0.1},  # 30 masked
+            {"step": 3, "eval_accuracy": 0.4, "num_tokens": 600.0}]  # no masked count: left out, not 0
+    s = run_scalars(recs)
+    assert (s["masked_tokens"], s["tokens"]) == pytest.approx((35, 400))
+    assert s["masked_frac"] == pytest.approx(35 / 400)
+    assert s["masked_counts"] == "masked_frac*num_tokens + num_masked"
+    assert run_scalars(recs[:1] + recs[3:])["masked_frac"] is None
+    # evals at 0..3 of 0.1..0.4 (linear): AUC = mean of the line = 0.25; eval at one step only: its value
+    assert s["eval_auc"] == pytest.approx(0.25)
+    assert run_scalars([{"step": 4, "eval_accuracy": 0.7}])["eval_auc"] == 0.7

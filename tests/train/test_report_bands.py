@@ -1,0 +1,82 @@
+"""pdmask report: seed bands of the eval curves, and the across-seed summary rebuilt from run directories."""
+
+import json
+
+import pytest
+from compare_toy import REF, make_compare_dir, runs_of
+
+from pdmask.train.report import eval_bands, plot_eval_bands, summary_markdown
+from pdmask.train.seed_summary import seed_markdown, seed_summary, seed_tables
+
+
+@pytest.fixture
+def compare_dir(tmp_path):
+    return make_compare_dir(tmp_path / "cmp")
+
+
+def test_eval_bands_numbers(compare_dir):
+    b = eval_bands(runs_of(compare_dir))
+    assert set(b) == {"dppo-topk-kl", "pdm-topk-kl", "none"}
+    r = b["dppo-topk-kl"]
+    assert r["steps"] == list(range(9)) and r["seeds"] == 4 and r["n"] == [4] * 9
+    # step 0 is the shared SFT base; after it the seeds are REF + 0.01 * seed: mean +0.015, min +0, max +0.03
+    assert r["mean"][0] == r["lo"][0] == r["hi"][0] == REF[0]
+    assert r["mean"][8] == pytest.approx(REF[8] + 0.015)
+    assert (r["lo"][8], r["hi"][8]) == pytest.approx((REF[8], REF[8] + 0.03))
+    # pdm: REF + 0.01 s + (0.10, 0.05, -0.02, 0.07)[s] -> at a step: +0.10, +0.06, 0.00, +0.10
+    p = b["pdm-topk-kl"]
+    assert (p["lo"][1], p["hi"][1]) == pytest.approx((REF[1], REF[1] + 0.10))
+    assert p["mean"][1] == pytest.approx(REF[1] + 0.065)
+
+
+def test_band_plot_is_written(compare_dir, tmp_path):
+    p = plot_eval_bands(runs_of(compare_dir), tmp_path / "rep")
+    assert p.name == "eval_accuracy_bands.png" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tables_and_markdown_render(compare_dir):
+    from rich.console import Console
+
+    s = seed_summary(runs_of(compare_dir), n_boot=500)
+    c = Console(width=300, record=True)
+    for t in seed_tables(s):
+        c.print(t)
+    text = c.export_text()
+    # pdm vs reference, final accuracy: +0.050 ... p = 0.25
+    assert "pdm-topk-kl" in text and "p = 0.25" in text and "p = 0.125" in text
+    md = seed_markdown(s)
+    assert md.startswith("## Across seeds (4 seeds per mode at most)")
+    assert "| none | dppo-topk-kl | 4 | -0.450 [-0.450, -0.450] p = 0.125 |" in md
+    assert "2/2^4 = 0.125" in md and "`eval_auc`:" in md
+    # the pooled masked fraction of the reference, with tokens: 3.000% [...] (80,000 tokens)
+    assert "3.000% [" in md and "(80,000 tokens)" in md
+    assert summary_markdown({"across_seeds": s}).count("## Across seeds") == 1
+
+
+def test_report_rebuilds_the_summary_in_a_compare_dir(compare_dir, tmp_path, cli):
+    run_cli, _ = cli
+    # an existing compare summary: its other keys must survive the rebuild
+    (compare_dir / "summary.json").write_text(json.dumps({"total_wall_s": 12.0, "load_avg_start": [0.5, 0.5, 0.5],
+                                                          "step_time_ratio_runs": {}}))
+    p = run_cli(["report", compare_dir], cwd=tmp_path)
+    assert "Paired difference vs dppo-topk-kl" in p.stdout
+    res = json.loads((compare_dir / "summary.json").read_text())
+    assert res["total_wall_s"] == 12.0 and len(res["runs"]) == 12
+    v = next(e for e in res["across_seeds"]["groups"] if e["group"] == "pdm-topk-kl")["vs_reference"]
+    assert v["eval_final"]["estimate"] == pytest.approx(0.05) and v["eval_final"]["p"] == 0.25
+    md = (compare_dir / "summary.md").read_text()
+    assert "total wall time 12 s" in md and "## Across seeds" in md
+    assert (compare_dir / "report" / "eval_accuracy_bands.png").exists()
+    assert (compare_dir / "report" / "overview.png").exists()
+
+    # an explicit reference that is not among the runs: one line, exit 2
+    p = run_cli(["report", compare_dir, "--reference", "grpo"], cwd=tmp_path, check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: reference: mode 'grpo' is not among the runs' modes (dppo-topk-kl, none, pdm-topk-kl)"]
+
+    # a single run directory: the summary goes next to the PNGs
+    out = tmp_path / "rep"
+    run_cli(["report", compare_dir / "none-s0", "--out", out], cwd=tmp_path)
+    one = json.loads((out / "summary.json").read_text())["across_seeds"]
+    assert [e["group"] for e in one["groups"]] == ["none"] and one["groups"][0]["n_seeds"] == 1
+    assert one["notes"] == ["No paired differences: the reference mode dppo-topk-kl is not among the runs."]
