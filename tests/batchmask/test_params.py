@@ -20,6 +20,7 @@ def test_last_block_subset_equals_the_restricted_full_computation(method):
     sub = _last_block_params(m, *decoder_parts(m))
     ref, O, _, _ = per_token_oracle(m, batch, sub)
     full = batch_mask(m, **batch, method=method)
+    assert out.method == ("jvp-top" if method == "jvp" else method)  # forward mode replays the top block only
     assert O.any() and ref.abs().max() > 1e-3
     torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)
     assert not torch.allclose(out.ddot, full.ddot)  # the subset is a different (cheaper) criterion
@@ -32,6 +33,8 @@ def test_tied_head_in_the_subset_moves_the_output_projection_only():
     m = tiny_llama(tied=True, layers=3)
     batch = make_batch(m, seed=2)
     out = batch_mask(m, **batch, params=1)
+    assert out.method == "jvp-top"
+    dbl = batch_mask(m, **batch, params=1, method="double-backward")
     untied = tiny_llama(tied=False, layers=3)
     untied.load_state_dict(m.state_dict(), strict=False)
     with torch.no_grad():
@@ -40,6 +43,24 @@ def test_tied_head_in_the_subset_moves_the_output_projection_only():
     ref, O, _, _ = per_token_oracle(untied, batch, sub)
     assert O.any() and ref.abs().max() > 1e-3
     torch.testing.assert_close(out.ddot, ref, atol=1e-6 * ref.abs().max().item(), rtol=1e-5)
+    torch.testing.assert_close(dbl.ddot, out.ddot, atol=1e-9, rtol=1e-7)
+
+
+class _ScaledLogits(TinyLM):
+    """Something between the last block and the logits that the top replay does not know."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return 0.5 * super().forward(input_ids, attention_mask, position_ids)
+
+
+def test_top_replay_that_does_not_reproduce_the_model_falls_back_to_the_whole_model_jvp():
+    m = _ScaledLogits(seed=8, layers=3)
+    batch = make_batch(m, seed=8)
+    out = batch_mask(m, **batch, params=1, method="jvp")
+    assert out.method == "jvp"
+    ref, O, _, _ = per_token_oracle(m, batch, _last_block_params(m, *decoder_parts(m)))
+    assert O.any() and ref.abs().max() > 1e-3
+    torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)
 
 
 def test_a_list_of_names_selects_exactly_those():

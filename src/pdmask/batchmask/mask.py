@@ -37,6 +37,7 @@ from . import directional as dirl
 from . import precondition as pre
 from .params import select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
+from .top import TopCapture, jvp_top_logprob
 
 SCOPES = ("region", "all")
 METHODS = ("auto", "jvp", "double-backward")
@@ -50,7 +51,8 @@ class BatchMaskOutput:
     first-order change of Phi per unit learning rate from token t's own update),
     ``out_of_region`` (bool, O). ``metrics``: dict of detached scalars. ``mode``,
     ``delta_low``, ``delta_high``: the :func:`pdmask.policy_loss` settings that reproduce
-    the mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"`` or ``"double-backward"``."""
+    the mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"``, ``"jvp-top"`` (forward mode
+    through the top blocks only, ``params=N``) or ``"double-backward"``."""
 
     mask: torch.Tensor
     ddot: torch.Tensor
@@ -103,8 +105,10 @@ class BatchMask:
         delta_low, delta_high: thresholds for A < 0 / A > 0 (default: the mode's, 0.05
             for KL, 0.15 for TV).
         scope: ``"region"`` (drop t in O with c_t > 0) or ``"all"`` (drop any c_t > 0).
-        method: ``"auto"`` (forward mode; double backward if an op lacks a forward-mode
-            derivative, decided once per instance), ``"jvp"``, ``"double-backward"``.
+        method: ``"auto"`` (forward mode; the double backward if an op of the model has no
+            forward-mode derivative, decided once per instance), ``"jvp"`` or
+            ``"double-backward"``. With ``params=N`` forward mode runs through the top
+            blocks only (:mod:`.top`; the output's ``method`` is then ``"jvp-top"``).
         temperature: ``pi = softmax(logits / temperature)``.
         is_cap: IS cap C in ``w = min(r, C)`` (only scales c_t).
         chunk_size: rows per chunk of the vocabulary reductions.
@@ -159,8 +163,13 @@ class BatchMask:
         T = ids.shape[1]
         leaves = [x.requires_grad_() for x in sub.leaves()]
         ctx = dirl.math_attention() if method == "double-backward" else contextlib.nullcontext()
+        capture = TopCapture(sub.top.blocks) if method == "jvp" and sub.top is not None else None
         with torch.enable_grad(), ctx:
-            logits = dirl.response_logits(self.model, sub.tensors(leaves), input_ids, attention_mask, T)  # (B, T, V)
+            try:
+                logits = dirl.response_logits(self.model, sub.tensors(leaves), input_ids, attention_mask, T)  # (B, T, V)
+            finally:
+                if capture is not None:
+                    capture.remove()
             st = token_stats(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, response_mask=rmask,
                              temperature=Tmp, chunk_size=self.chunk_size, validate=validate)
             valid = st["valid"]
@@ -181,9 +190,15 @@ class BatchMask:
             v = pre.precondition_(self.optimizer, sub.params, [ns[0] for ns in sub.names], grads)
             del grads
             if method == "jvp":
+                primals = [x.detach() for x in leaves]
+                ddot = None
+                if capture is not None and capture.complete:
+                    ref = dirl.sampled_logprob(logits.detach(), ids, Tmp)
+                    ddot = jvp_top_logprob(sub, capture, primals, v, ids, Tmp, ref, valid)
+                    method = "jvp" if ddot is None else "jvp-top"
                 del logits
-                ddot = dirl.jvp_logprob(self.model, sub, [x.detach() for x in leaves], v, input_ids,
-                                        attention_mask, ids, Tmp)
+                if ddot is None:
+                    ddot = dirl.jvp_logprob(self.model, sub, primals, v, input_ids, attention_mask, ids, Tmp)
             else:
                 ddot = dirl.double_backward_logprob(dirl.sampled_logprob(logits, ids, Tmp), leaves, v)
         ddot = torch.where(valid, ddot.to(adv.dtype), torch.zeros_like(adv))

@@ -26,6 +26,16 @@ import torch
 
 
 @dataclass
+class TopBlocks:
+    """The modules of the last-N variant with their qualified names: ``blocks`` and ``head``
+    as ``(name, module)``, ``norm`` likewise or None (see :mod:`.top`)."""
+
+    blocks: list
+    norm: tuple | None
+    head: tuple
+
+
+@dataclass
 class ParamSubset:
     """A differentiable view of a model's parameters.
 
@@ -37,6 +47,7 @@ class ParamSubset:
     fixed: dict  # name -> parameter for the names held fixed
     names: list  # names[j]: the selected names of input j
     params: list  # params[j]: the parameter behind input j
+    top: TopBlocks | None = None  # params=N: the modules the selection covers
 
     @property
     def numel(self) -> int:
@@ -74,9 +85,18 @@ def decoder_parts(model: torch.nn.Module):
     return blocks, head, norm if isinstance(norm, torch.nn.Module) else None
 
 
-def _module_names(model, modules) -> list[str]:
-    ids = {id(m) for m in modules}
-    return [n for n, m in model.named_modules(remove_duplicate=False) if id(m) in ids]
+def _module_name(model, module) -> str:
+    return next(n for n, m in model.named_modules(remove_duplicate=False) if m is module)
+
+
+def top_blocks(model, n: int) -> TopBlocks:
+    """The last ``n`` blocks, the final norm and the head of ``model`` with their names."""
+    blocks, head, norm = decoder_parts(model)
+    if not 1 <= n <= len(blocks):
+        raise ValueError(f"params: the number of last blocks must lie in [1, {len(blocks)}], got {n}")
+    named = [(_module_name(model, b), b) for b in blocks[len(blocks) - n:]]
+    return TopBlocks(named, (_module_name(model, norm), norm) if norm is not None else None,
+                     (_module_name(model, head), head))
 
 
 def _selected_names(model, params, all_names: list[str]) -> list[str]:
@@ -86,11 +106,9 @@ def _selected_names(model, params, all_names: list[str]) -> list[str]:
                              "or a list of parameter names")
         return list(all_names)
     if isinstance(params, int) and not isinstance(params, bool):
-        blocks, head, norm = decoder_parts(model)
-        if not 1 <= params <= len(blocks):
-            raise ValueError(f"params: the number of last blocks must lie in [1, {len(blocks)}], got {params}")
-        mods = list(blocks[len(blocks) - params:]) + [head] + ([norm] if norm is not None else [])
-        prefixes = tuple(p + "." for p in _module_names(model, mods))
+        top = top_blocks(model, params)
+        mods = top.blocks + [top.head] + ([top.norm] if top.norm is not None else [])
+        prefixes = tuple(name + "." for name, _ in mods)
         return [n for n in all_names if n.startswith(prefixes)]
     if isinstance(params, (list, tuple)) and all(isinstance(n, str) for n in params):
         unknown = [n for n in params if n not in all_names]
@@ -115,4 +133,5 @@ def select_params(model: torch.nn.Module, params="all") -> ParamSubset:
     names = list(groups.values())
     chosen_set = set(chosen)
     fixed = {n: p for n, p in named if n not in chosen_set}
-    return ParamSubset([n for n, _ in named], fixed, names, [by_name[ns[0]] for ns in names])
+    top = top_blocks(model, params) if isinstance(params, int) and not isinstance(params, bool) else None
+    return ParamSubset([n for n, _ in named], fixed, names, [by_name[ns[0]] for ns in names], top)
