@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.batchmask import BatchMask, batch_mask
+from pdmask.batchmask import BatchMask, batch_mask, preconditioner
 
 from .helpers import (
     F64, TinyLM, logits_of, make_batch, naive_divergence, per_token_oracle, region_and_weights, tiny_llama,
@@ -22,13 +22,25 @@ def _phi_at(model, batch, named, O, divergence, temperature):
     return float((st[divergence] * O).sum())
 
 
-@pytest.mark.parametrize("divergence,temperature", [("topk_kl", 1.0), ("topk_tv", 1.0), ("topk_kl", 0.7)])
-def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergence, temperature):
-    """c_t = d/de Phi(theta + e grad l_t) at e = 0, l_t = w_t A_t log pi_t (P = I), O fixed."""
+@pytest.mark.parametrize("divergence,temperature,optim", [
+    ("topk_kl", 1.0, None), ("topk_tv", 1.0, None), ("topk_kl", 0.7, None), ("topk_kl", 1.0, "adamw")])
+def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergence, temperature, optim):
+    """c_t = d/de Phi(theta + e P grad l_t) at e = 0, l_t = w_t A_t log pi_t, O fixed."""
     m = TinyLM(seed=1)
+    opt = None
+    if optim == "adamw":  # a real state: P is far from a multiple of the identity
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * torch.rand(p.shape, generator=g,
+                                                                                        dtype=p.dtype)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
     batch = make_batch(m, seed=1, temperature=temperature)
     delta = 0.05 if divergence == "topk_kl" else 0.12
-    out = batch_mask(m, **batch, divergence=divergence, delta_low=delta, delta_high=delta, temperature=temperature)
+    out = batch_mask(m, **batch, divergence=divergence, delta_low=delta, delta_high=delta, temperature=temperature,
+                     optimizer=opt)
     O, w, A, _ = region_and_weights(m, batch, divergence=divergence, delta=delta, temperature=temperature)
     assert torch.equal(out.out_of_region, O) and 0 < O.sum() < batch["response_mask"].sum()
     names, params = zip(*m.named_parameters())
@@ -38,6 +50,8 @@ def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergen
         z = logits_of(m, batch)
         logp = torch.log_softmax(z / temperature, -1)[b, t, batch["input_ids"][b, -T + t]]
         d = torch.autograd.grad(w[b, t] * A[b, t] * logp, params)  # grad l_t
+        if opt is not None:
+            d = [x * P for x, P in zip(d, preconditioner(opt, list(params), list(names)))]  # P grad l_t
         norm = torch.sqrt(sum((g * g).sum() for g in d))
         eps = 1e-5 / norm  # a step of length 1e-5 in parameter space
         plus = _phi_at(m, batch, {n: p + eps * g for n, p, g in zip(names, params, d)}, O, divergence, temperature)

@@ -227,7 +227,7 @@ class BatchMask:
             "agree_pdm_frac": (out & (pdm_out == outward)).sum() / n_out.clamp(min=1),
             "phi": phi_value,
             "direction_norm": torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float()) for x in v])),
-            "num_params": torch.tensor(self.subset.numel),
+            "num_params": torch.tensor(self.subset.numel, device=valid.device),
         }
         return BatchMaskOutput(keep.detach(), ddot.detach(), c.detach(), out.detach(),
                                {k: t.detach() for k, t in metrics.items()}, self.mode, self.delta_low,
