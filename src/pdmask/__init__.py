@@ -12,8 +12,11 @@ Public API (pure tensor functions):
   direction tests :func:`predictive`, :func:`ratio_sign` (was ``ratio_direction``).
 - :func:`aggregate` — verl's loss aggregation modes.
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
+- :func:`batch_mask`, :class:`BatchMask` — the batch-aware mask (needs the model;
+  :mod:`pdmask.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
 """
 
+from .batchmask import BatchMask, batch_mask
 from .directions import ddot_autograd
 from .keys import ESTIMATORS, ddot_key
 from .loss import PolicyLossOutput, aggregate, policy_loss, token_loss, trust_region_mask
@@ -26,7 +29,7 @@ from .stats import token_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate",
+    "BatchMask", "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate", "batch_mask",
     "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
     "predictive", "ratio_region", "ratio_sign", "register_mode", "token_loss",
     "token_stats", "trust_region_mask",

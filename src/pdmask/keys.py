@@ -10,6 +10,8 @@ takes the names from here, so that a key such as ``ddot_topk_kl_exact`` is writt
   ``truncated`` (docs/core.md).
 - ``ddot_key(div, est)``: the stat key of ``Ddot`` of ``div`` (the estimator matters for
   the top-K divergences only).
+- ``BATCH_DDOT``: the stat key of an externally computed direction (the batch-aware
+  mask, :mod:`pdmask.batchmask`), passed to the loss as ``batch_ddot=``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ BINARY_DIVERGENCES = ("binary_tv", "binary_kl")
 TOPK_DIVERGENCES = ("topk_kl", "topk_tv")
 FULL_DIVERGENCES = ("full_kl", "full_tv")
 DIVERGENCES = BINARY_DIVERGENCES + TOPK_DIVERGENCES + FULL_DIVERGENCES
+#: stat key of the batch direction ``<grad log pi_t, P grad Phi>`` (``batch_ddot=`` argument)
+BATCH_DDOT = "ddot_batch"
 
 
 def ddot_key(divergence: str, estimator: str = "exact") -> str:

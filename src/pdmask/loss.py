@@ -28,6 +28,7 @@ from .keys import ESTIMATORS
 from .masks import (
     SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
+from .keys import BATCH_DDOT
 from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
 
 
@@ -184,7 +185,7 @@ class PolicyLossOutput:
     stats: dict
 
 
-def _broadcast_adv(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
+def broadcast_advantages(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError("advantages: must be a floating-point torch.Tensor")
     if tuple(advantages.shape) == lead:
@@ -192,6 +193,19 @@ def _broadcast_adv(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
     if advantages.dim() == 1 and len(lead) == 2 and advantages.shape[0] == lead[0]:
         return advantages[:, None].expand(lead)
     raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
+
+
+def _batch_direction(batch_ddot, batch, dtype, validate: bool) -> torch.Tensor:
+    """``batch_ddot`` (lead shape) flattened, detached, 0 on padding (where any junk may sit)."""
+    if not isinstance(batch_ddot, torch.Tensor) or not batch_ddot.is_floating_point():
+        raise ValueError("batch_ddot: must be a floating-point torch.Tensor")
+    if tuple(batch_ddot.shape) != tuple(batch.lead_shape):
+        raise ValueError(f"batch_ddot: expected shape {tuple(batch.lead_shape)} (the leading dims of logits), "
+                         f"got {tuple(batch_ddot.shape)}")
+    d = batch_ddot.detach().reshape(-1).to(dtype)
+    if validate and bool((~torch.isfinite(d) & batch.valid).any()):
+        raise ValueError("batch_ddot: contains NaN or inf on response tokens")
+    return torch.where(batch.valid, d, torch.zeros_like(d))
 
 
 @dataclass
@@ -209,7 +223,8 @@ class MaskedBatch:
 
 def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
                 advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
-                eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto") -> MaskedBatch:
+                eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto",
+                batch_ddot=None) -> MaskedBatch:
     # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -217,15 +232,17 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
     check_chunk_size("chunk_size", chunk_size)
     ops.check_impl(impl)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
-    check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None)
+    check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None, batch_ddot is not None)
     batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
                     response_mask, rollout_logits, validate)
-    adv = _broadcast_adv(advantages, batch.lead_shape).reshape(-1)
+    adv = broadcast_advantages(advantages, batch.lead_shape).reshape(-1)
     if validate and bool(torch.isnan(adv[batch.valid]).any()):
         raise ValueError("advantages: contains NaN on response tokens")
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
     stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
                              validate=validate)
+    if batch_ddot is not None:
+        stats[BATCH_DDOT] = _batch_direction(batch_ddot, batch, stats["log_ratio"].dtype, validate)
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return MaskedBatch(mode_obj, th, batch, adv, stats, res)
 
@@ -236,7 +253,7 @@ def trust_region_mask(
     delta_low: float | None = None, delta_high: float | None = None,
     eps_low: float = 0.2, eps_high: float = 0.2, temperature: float = 1.0,
     rollout_logits=None, chunk_size: int | None = None, validate: bool = True,
-    impl: str = "auto",
+    impl: str = "auto", batch_ddot=None,
 ) -> torch.Tensor:
     """The keep mask ``M`` (B, T) bool of a mode: False iff out of region and outward.
 
@@ -250,7 +267,7 @@ def trust_region_mask(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate, impl=impl)
+        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
     return (mb.mask.keep | ~mb.batch.valid).reshape(mb.batch.lead_shape)
 
 
@@ -261,7 +278,7 @@ def policy_loss(
     eps_low: float = 0.2, eps_high: float = 0.2, is_cap: float = 5.0,
     loss_agg: str = "token-mean", temperature: float = 1.0, rollout_logits=None,
     chunk_size: int | None = None, num_tokens=None, num_seqs=None, loss_scale_factor=None,
-    validate: bool = True, impl: str = "auto",
+    validate: bool = True, impl: str = "auto", batch_ddot=None,
 ) -> PolicyLossOutput:
     """Trust-region policy-gradient loss with a named mask mode.
 
@@ -291,6 +308,9 @@ def policy_loss(
         impl: row-reduction implementation (:func:`pdmask.ops.row_stats`): ``"auto"``
             (default: Triton for CUDA logits when installed, else the chunked torch
             path), ``"torch"``, ``"triton"``, ``"reference"`` (the plain oracle).
+        batch_ddot: (B, T) externally computed direction ``<grad log pi_t, P grad Phi>``
+            of the batch-aware modes ``pdm-batch-*`` (:func:`pdmask.batchmask.batch_mask`,
+            its ``.ddot``); stored in the stats as ``ddot_batch`` (in any mode, for logging).
 
     Returns:
         :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors).
@@ -301,7 +321,7 @@ def policy_loss(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate, impl=impl)
+        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
     batch, adv, stats, res, th = mb.batch, mb.advantages, mb.stats, mb.mask, mb.thresholds
     per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mb.mode.surrogate,
                                is_cap=is_cap, eps_low=th.eps_low, eps_high=th.eps_high)

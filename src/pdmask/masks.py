@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch
 
 from ._validate import check_choice, check_positive
-from .keys import DIVERGENCES, ESTIMATORS, ddot_key
+from .keys import BATCH_DDOT, DIVERGENCES, ESTIMATORS, ddot_key
 
 Stats = Mapping[str, torch.Tensor]
 
@@ -42,7 +42,7 @@ class Thresholds:
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
 #: Surrogates a mode may name (see :func:`pdmask.loss.token_loss`).
 SURROGATES = ("dppo", "ppo-clip")
-NEEDS = ("topk", "full")
+NEEDS = ("topk", "full", "batch")
 Direction = Callable[[Stats, str], torch.Tensor]
 
 def _by_sign(adv: torch.Tensor, value: torch.Tensor, low, high) -> torch.Tensor:
@@ -69,6 +69,11 @@ def ratio_region() -> Region:
     return region
 
 
+def any_token_region() -> Region:
+    """Every token with ``A != 0`` is "out" (the ``scope="all"`` batch modes: direction only)."""
+    return lambda stats, adv, th: adv != 0
+
+
 def ratio_sign() -> Direction:
     """The ratio direction test: outward iff ``A (r - 1) > 0``, the sign of ``log r`` (PPO, DPPO).
 
@@ -84,6 +89,12 @@ def predictive(divergence: str) -> Direction:
     return lambda stats, estimator: stats[ddot_key(divergence, estimator)]
 
 
+def batch_direction() -> Direction:
+    """Outward iff ``A * batch_ddot > 0``: the externally computed batch direction
+    ``<grad log pi_t, P grad Phi>`` (:mod:`pdmask.batchmask`), passed as ``batch_ddot=``."""
+    return lambda stats, estimator: stats[BATCH_DDOT]
+
+
 @dataclass(frozen=True)
 class MaskMode:
     """A named trust-region mask.
@@ -97,7 +108,7 @@ class MaskMode:
             disagreement diagnostic (``topk_kl`` for ``grpo`` / ``none``, falling back
             to ``binary_kl`` without top-K input).
         surrogate: ``"dppo"`` (``-M sg(min(r, C)) A log pi_k``) or ``"ppo-clip"``.
-        needs: inputs the mode requires: ``"topk"`` and/or ``"full"``.
+        needs: inputs the mode requires: ``"topk"``, ``"full"``, ``"batch"`` (``batch_ddot``).
         default_delta: delta used when the caller passes none.
         doc: one line for listings.
     """
@@ -148,7 +159,7 @@ def get_mode(name: str) -> MaskMode:
     return MODES[name]
 
 
-_TOPK, _FULL = frozenset({"topk"}), frozenset({"full"})
+_TOPK, _FULL, _BATCH = frozenset({"topk"}), frozenset({"full"}), frozenset({"topk", "batch"})
 for _m in [
     MaskMode("grpo", ratio_region(), ratio_sign(), "topk_kl", surrogate="ppo-clip",
              doc="PPO/GRPO ratio clip [1-eps_low, 1+eps_high] (clip-higher: raise eps_high)"),
@@ -170,11 +181,24 @@ for _m in [
              doc="predictive mask on the full-vocabulary KL (needs rollout_logits)"),
     MaskMode("pdm-full-tv", divergence_region("full_tv"), predictive("full_tv"), "full_tv", needs=_FULL,
              default_delta=0.15, doc="predictive mask on the full-vocabulary TV (needs rollout_logits)"),
+    # batch-aware predictive mask: the direction is computed from the model (pdmask.batchmask)
+    MaskMode("pdm-batch-topk-kl", divergence_region("topk_kl"), batch_direction(), "topk_kl", needs=_BATCH,
+             doc="batch-aware mask: top-K KL > delta and A*batch_ddot > 0 (needs batch_ddot)"),
+    MaskMode("pdm-batch-topk-tv", divergence_region("topk_tv"), batch_direction(), "topk_tv", needs=_BATCH,
+             default_delta=0.15, doc="batch-aware mask: top-K TV > delta and A*batch_ddot > 0 (needs batch_ddot)"),
+    MaskMode("pdm-batch-all-topk-kl", any_token_region(), batch_direction(), "topk_kl", needs=_BATCH,
+             doc="batch-aware mask, scope all: any token with A*batch_ddot > 0 (Phi over top-K KL > delta)"),
+    MaskMode("pdm-batch-all-topk-tv", any_token_region(), batch_direction(), "topk_tv", needs=_BATCH,
+             default_delta=0.15,
+             doc="batch-aware mask, scope all: any token with A*batch_ddot > 0 (Phi over top-K TV > delta)"),
 ]:
     register_mode(_m)
 
 
-def check_inputs_for(mode: MaskMode, has_topk: bool, has_full: bool) -> None:
+def check_inputs_for(mode: MaskMode, has_topk: bool, has_full: bool, has_batch: bool = False) -> None:
+    if "batch" in mode.needs and not has_batch:
+        raise ValueError(f"batch_ddot: mode {mode.name!r} needs the batch direction (B, T) from "
+                         "pdmask.batchmask.batch_mask(...).ddot")
     if "topk" in mode.needs and not has_topk:
         raise ValueError(f"rollout_topk_ids: mode {mode.name!r} needs the rollout top-K ids and log-probs")
     if "full" in mode.needs and not has_full:

@@ -40,7 +40,8 @@ def cases(draw):
     resp = torch.rand(B, T, generator=g) < 0.8
     return dict(logits=z.to(dtype), ids=k, lp=logmu.gather(-1, k[..., None]).squeeze(-1).float(),
                 tk=top.indices, tlp=top.values.float(), adv=torch.randn(B, generator=g) * 3, resp=resp,
-                mode=mode, agg=agg, est=est, T=draw(st.sampled_from([1.0, 0.6, 1.7])))
+                mode=mode, agg=agg, est=est, T=draw(st.sampled_from([1.0, 0.6, 1.7])),
+                bd=torch.randn(B, T, generator=g) if "batch" in pdmask.get_mode(mode).needs else None)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,7 +50,7 @@ def test_loss_and_gradient_are_always_finite(c):
     logits = c["logits"].clone().requires_grad_(True)
     out = pdmask.policy_loss(logits, c["ids"], c["lp"], c["tk"], c["tlp"], c["adv"], c["resp"],
                              mode=c["mode"], loss_agg=c["agg"], estimator=c["est"], temperature=c["T"],
-                             is_cap=math.inf if c["mode"] == "none" else 5.0)
+                             is_cap=math.inf if c["mode"] == "none" else 5.0, batch_ddot=c["bd"])
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert torch.isfinite(logits.grad).all()

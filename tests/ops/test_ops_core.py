@@ -55,13 +55,16 @@ def test_token_stats_all_keys_agree(dtype, temperature):
 def test_policy_loss_every_mode_value_grad_mask(mode, dtype):
     b = _batch(dtype, seed=3)
     full = "full" in pdmask.get_mode(mode).needs
+    # the batch modes' direction comes from the model (pdmask.batchmask); any signed (B, T) will do here
+    bd = torch.randn(b["sampled_ids"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    bd = bd if "batch" in pdmask.get_mode(mode).needs else None
     outs, grads = {}, {}
     for impl in ("reference", "torch", "auto"):
         x = b["logits"].clone().requires_grad_()
         out = pdmask.policy_loss(
             x, b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"], b["rollout_topk_logprobs"],
             b["advantages"], b["response_mask"], mode=mode, rollout_logits=b["rollout_logits"] if full else None,
-            delta_low=0.02, delta_high=0.02, impl=impl)
+            delta_low=0.02, delta_high=0.02, impl=impl, batch_ddot=bd)
         out.loss.backward()
         outs[impl], grads[impl] = out, x.grad
     ref = outs["reference"]

@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .logging import read_jsonl
+from .seed_summary import run_label
 
 #: (file name, title, [(metric key, label suffix)], y label, smoothing window)
 PANELS = [
@@ -46,17 +47,6 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
     if not out:
         raise ValueError(f"run_dirs: no metrics.jsonl found under {', '.join(map(str, paths))}")
     return out
-
-
-def run_label(run: Path) -> tuple[str, str]:
-    """(group label, run name): runs of the same mode and thresholds share a group."""
-    import yaml
-
-    cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
-    mode = cfg.get("mode", run.name)
-    d = cfg.get("delta_high")
-    group = mode if d is None else f"{mode} δ={d:g}"
-    return group, run.name
 
 
 def _smooth(xs, w):

@@ -16,7 +16,17 @@ import math
 from pathlib import Path
 
 from .logging import read_jsonl
-from .report import run_label
+
+
+def run_label(run: Path) -> tuple[str, str]:
+    """(group label, run name): runs of the same mode and thresholds share a group."""
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    mode = cfg.get("mode", run.name)
+    d = cfg.get("delta_high")
+    group = mode if d is None else f"{mode} δ={d:g}"
+    return group, run.name
 
 
 #: the per-run scalars of the across-seed summary: (key, column label, format spec)

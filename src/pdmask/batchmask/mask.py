@@ -1,0 +1,263 @@
+"""The batch-aware predictive mask (issue 14): :class:`BatchMask` and :func:`batch_mask`.
+
+With ``O`` the out-of-region tokens (the core's proximity test on the model's logits),
+``Phi(theta) = sum_{s in O} D_s(theta)`` and ``P`` the optimizer's preconditioner
+(:mod:`.precondition`), the update made of token t's surrogate ``l_t = w_t A_t log pi_t``
+alone changes Phi, to first order, by ``eta <grad Phi, P grad l_t> = eta c_t`` with::
+
+    c_t = A_t w_t ddot_t,    ddot_t = <grad log pi_t, v>,    v = P grad_theta Phi
+
+(P is symmetric). One backward gives v; one forward-mode pass gives every ddot_t
+(:mod:`.directional`). A token is outward iff ``A_t ddot_t > 0`` (equivalently
+``c_t > 0``, since ``w_t > 0``), and the keep mask drops
+
+- ``scope="region"``: t in O with ``c_t > 0`` (gated like DPPO; mode ``pdm-batch-topk-*``);
+- ``scope="all"``: any token with ``c_t > 0`` (mode ``pdm-batch-all-topk-*``).
+
+Naive equivalent (per-token gradients; what the tests compare with)::
+
+    v = P @ autograd.grad(Phi, theta)
+    for t: c[t] = A[t] * w[t] * autograd.grad(log_pi[t], theta) @ v
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_choice, check_positive, prepare
+from ..keys import ESTIMATORS, ddot_key
+from ..loss import broadcast_advantages
+from ..masks import divergence_region, get_mode, resolve_thresholds
+from ..ops import chunk_rows_for
+from ..stats import token_stats
+from . import directional as dirl
+from . import precondition as pre
+from .params import select_params
+from .phi import PHI_DIVERGENCES, out_of_region_divergence
+from .top import TopCapture, jvp_top_logprob
+
+SCOPES = ("region", "all")
+METHODS = ("auto", "jvp", "double-backward")
+_MAX_LOG_W = 50.0  # as pdmask.loss: the largest log IS weight when is_cap is inf
+
+
+@dataclass
+class BatchMaskOutput:
+    """Everything detached. (B, T) tensors: ``mask`` (bool keep mask, True on padding),
+    ``ddot`` (``<grad log pi_t, P grad Phi>``; 0 on padding), ``c`` (``A w ddot``: the
+    first-order change of Phi per unit learning rate from token t's own update),
+    ``out_of_region`` (bool, O). ``metrics``: dict of detached scalars. ``mode``,
+    ``delta_low``, ``delta_high``: the :func:`pdmask.policy_loss` settings that reproduce
+    the mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"``, ``"jvp-top"`` (forward mode
+    through the top blocks only, ``params=N``) or ``"double-backward"``."""
+
+    mask: torch.Tensor
+    ddot: torch.Tensor
+    c: torch.Tensor
+    out_of_region: torch.Tensor
+    metrics: dict
+    mode: str
+    delta_low: float
+    delta_high: float
+    method: str
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
+        return {"mode": self.mode, "batch_ddot": self.ddot, "delta_low": self.delta_low,
+                "delta_high": self.delta_high}
+
+
+def _check_layout(input_ids, attention_mask, response_mask, validate: bool) -> int:
+    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D torch.Tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids: must be an integer tensor of token ids, got dtype {input_ids.dtype}")
+    B, L = input_ids.shape
+    if tuple(attention_mask.shape) != (B, L):
+        raise ValueError(f"attention_mask: expected shape {(B, L)} (same as input_ids), got {tuple(attention_mask.shape)}")
+    T = response_mask.shape[1]
+    if response_mask.shape[0] != B or not 1 <= T < L:
+        raise ValueError(f"response_mask: expected shape ({B}, T) with 1 <= T < {L} (the response is the last T "
+                         f"columns of input_ids, after at least one context token), got {tuple(response_mask.shape)}")
+    if validate and bool((response_mask.bool() & ~attention_mask[:, L - T:].bool()).any()):
+        raise ValueError("response_mask: marks a response token that attention_mask masks out")
+    return T
+
+
+class BatchMask:
+    """The batch-aware mask for one model, parameter subset and optimizer.
+
+    Args:
+        model: causal LM (``torch.nn.Module``; see :mod:`.directional` for the call). Its
+            forward must be deterministic (no active dropout) since it is run twice.
+        params: ``"all"``, an int N (last N blocks + final norm + head) or a list of
+            parameter names (:mod:`.params`).
+        optimizer: None (P = I), or the ``torch.optim`` SGD / Adam / AdamW that will make
+            the next step (its current state; :mod:`.precondition`).
+        divergence: ``"topk_kl"`` or ``"topk_tv"``: the proximity divergence of O and Phi.
+        estimator: the top-K tail estimator of the per-token ``Ddot`` the diagnostics
+            compare with (``agree_pdm_frac``); c_t does not use it.
+        delta_low, delta_high: thresholds for A < 0 / A > 0 (default: the mode's, 0.05
+            for KL, 0.15 for TV).
+        scope: ``"region"`` (drop t in O with c_t > 0) or ``"all"`` (drop any c_t > 0).
+        method: ``"auto"`` (forward mode; the double backward if an op of the model has no
+            forward-mode derivative, decided once per instance), ``"jvp"`` or
+            ``"double-backward"``. With ``params=N`` forward mode runs through the top
+            blocks only (:mod:`.top`; the output's ``method`` is then ``"jvp-top"``).
+        temperature: ``pi = softmax(logits / temperature)``.
+        is_cap: IS cap C in ``w = min(r, C)`` (only scales c_t).
+        chunk_size: rows per chunk of the vocabulary reductions.
+    """
+
+    def __init__(self, model, *, params="all", optimizer=None, divergence: str = "topk_kl",
+                 estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
+                 scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
+                 chunk_size: int | None = None):
+        check_choice("divergence", divergence, PHI_DIVERGENCES)
+        check_choice("estimator", estimator, ESTIMATORS)
+        check_choice("scope", scope, SCOPES)
+        check_choice("method", method, METHODS)
+        check_positive("temperature", temperature)
+        check_positive("is_cap", is_cap, allow_inf=True)
+        self.model, self.optimizer = model, optimizer
+        self.subset = select_params(model, params)
+        pre.check(optimizer, self.subset.params, [ns[0] for ns in self.subset.names])
+        self.divergence, self.estimator, self.scope, self.method = divergence, estimator, scope, method
+        self.mode = f"pdm-batch-{'all-' if scope == 'all' else ''}{divergence.replace('_', '-')}"
+        th = resolve_thresholds(get_mode(self.mode), delta_low, delta_high, 0.2, 0.2)
+        self.thresholds, self.delta_low, self.delta_high = th, th.delta_low, th.delta_high
+        self.temperature, self.is_cap, self.chunk_size = float(temperature), is_cap, chunk_size
+
+    # ------------------------------------------------------------------ public
+    def __call__(self, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
+                 rollout_topk_logprobs, advantages, *, validate: bool = True) -> BatchMaskOutput:
+        """The mask of one batch (see :func:`batch_mask` for the arguments)."""
+        T = _check_layout(input_ids, attention_mask, response_mask, validate)
+        if rollout_topk_ids is None or rollout_topk_logprobs is None:
+            raise ValueError(f"rollout_topk_ids: the batch mask needs the rollout top-K ids and log-probs "
+                             f"(divergence {self.divergence!r})")
+        ids = input_ids[:, input_ids.shape[1] - T:]
+        data = (input_ids, attention_mask, response_mask.bool(), ids, rollout_logprob, rollout_topk_ids,
+                rollout_topk_logprobs, advantages, validate)
+        if self.method != "auto":
+            return self._run(self.method, *data)
+        try:
+            out = self._run("jvp", *data)
+            self.method = "jvp"
+            return out
+        except (NotImplementedError, RuntimeError) as err:
+            if not dirl.is_missing_forward_ad(err):
+                raise
+            self.method = "double-backward"
+            return self._run("double-backward", *data)
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, method, input_ids, attention_mask, rmask, ids, rollout_logprob, topk_ids, topk_lp,
+             advantages, validate) -> BatchMaskOutput:
+        sub, Tmp = self.subset, self.temperature
+        T = ids.shape[1]
+        leaves = [x.requires_grad_() for x in sub.leaves()]
+        ctx = dirl.math_attention() if method == "double-backward" else contextlib.nullcontext()
+        capture = TopCapture(sub.top.blocks) if method == "jvp" and sub.top is not None else None
+        with torch.enable_grad(), ctx:
+            try:
+                logits = dirl.response_logits(self.model, sub.tensors(leaves), input_ids, attention_mask, T)  # (B, T, V)
+            finally:
+                if capture is not None:
+                    capture.remove()
+            st = token_stats(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, response_mask=rmask,
+                             temperature=Tmp, chunk_size=self.chunk_size, validate=validate)
+            valid = st["valid"]
+            adv = broadcast_advantages(advantages, tuple(ids.shape)).to(st["log_ratio"].dtype)
+            if validate and bool(torch.isnan(adv[valid]).any()):
+                raise ValueError("advantages: contains NaN on response tokens")
+            adv = torch.where(valid, adv, torch.zeros_like(adv))
+            out = divergence_region(self.divergence)(st, adv, self.thresholds) & valid  # (B, T) O
+            weight = out.to(st[self.divergence].dtype)
+            b = prepare(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, rmask, validate=False)
+            phi_value = (st[self.divergence] * weight).sum()
+            phi = out_of_region_divergence(
+                logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
+                b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
+                chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
+            grads = torch.autograd.grad(phi, leaves, retain_graph=method == "double-backward", allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+            v = pre.precondition_(self.optimizer, sub.params, [ns[0] for ns in sub.names], grads)
+            del grads
+            if method == "jvp":
+                primals = [x.detach() for x in leaves]
+                ddot = None
+                if capture is not None and capture.complete:
+                    ref = dirl.sampled_logprob(logits.detach(), ids, Tmp)
+                    ddot = jvp_top_logprob(sub, capture, primals, v, ids, Tmp, ref, valid)
+                    method = "jvp" if ddot is None else "jvp-top"
+                del logits
+                if ddot is None:
+                    ddot = dirl.jvp_logprob(self.model, sub, primals, v, input_ids, attention_mask, ids, Tmp)
+            else:
+                ddot = dirl.double_backward_logprob(dirl.sampled_logprob(logits, ids, Tmp), leaves, v)
+        ddot = torch.where(valid, ddot.to(adv.dtype), torch.zeros_like(adv))
+        return self._decide(st, adv, out, ddot, phi_value, v, method)
+
+    def _decide(self, st, adv, out, ddot, phi_value, v, method) -> BatchMaskOutput:
+        valid = st["valid"]
+        max_log_w = min(math.log(self.is_cap), _MAX_LOG_W) if math.isfinite(self.is_cap) else _MAX_LOG_W
+        w = st["log_ratio"].clamp(max=max_log_w).exp()
+        c = adv * w * ddot
+        outward = adv * ddot > 0
+        drop = (out if self.scope == "region" else valid) & outward
+        keep = ~drop
+        n = valid.sum().clamp(min=1)
+        n_out = out.sum()
+        ratio_out = adv * st["log_ratio"] > 0
+        pdm_out = adv * st[ddot_key(self.divergence, self.estimator)] > 0
+        metrics = {
+            "num_tokens": valid.sum(),
+            "num_out_of_region": n_out,
+            "out_of_region_frac": n_out / n,
+            "num_masked": drop.sum(),
+            "masked_frac": drop.sum() / n,
+            "outward_frac_out_of_region": (out & outward).sum() / n_out.clamp(min=1),
+            "agree_ratio_frac": (out & (ratio_out == outward)).sum() / n_out.clamp(min=1),
+            "agree_pdm_frac": (out & (pdm_out == outward)).sum() / n_out.clamp(min=1),
+            "phi": phi_value,
+            "direction_norm": torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float()) for x in v])),
+            "num_params": torch.tensor(self.subset.numel, device=valid.device),
+        }
+        return BatchMaskOutput(keep.detach(), ddot.detach(), c.detach(), out.detach(),
+                               {k: t.detach() for k, t in metrics.items()}, self.mode, self.delta_low,
+                               self.delta_high, method)
+
+
+def batch_mask(model, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
+               rollout_topk_logprobs, advantages, *, params="all", optimizer=None, divergence: str = "topk_kl",
+               estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
+               scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
+               chunk_size: int | None = None, validate: bool = True) -> BatchMaskOutput:
+    """The batch-aware predictive mask of one batch (:class:`BatchMask` for the settings).
+
+    Args:
+        model: causal LM; called on ``input_ids[:, :-1]`` (:mod:`.directional`).
+        input_ids: (B, L) int: left-padded context + right-padded response; the response
+            is the last T columns, and its tokens are the sampled ids.
+        attention_mask: (B, L) real tokens.
+        response_mask: (B, T) response tokens to score.
+        rollout_logprob: (B, T) ``log mu_k`` of the sampled tokens (engine, at ``temperature``).
+        rollout_topk_ids, rollout_topk_logprobs: (B, T, K) the engine's top-K of mu.
+        advantages: (B, T) or (B,).
+        validate: check inputs (host syncs); off on a trusted hot path.
+
+    Returns :class:`BatchMaskOutput`; ``policy_loss(logits, ..., **out.loss_kwargs())``
+    applies the mask (same logits, i.e. the same parameters).
+    """
+    bm = BatchMask(model, params=params, optimizer=optimizer, divergence=divergence, estimator=estimator,
+                   delta_low=delta_low, delta_high=delta_high, scope=scope, method=method,
+                   temperature=temperature, is_cap=is_cap, chunk_size=chunk_size)
+    return bm(input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
+              advantages, validate=validate)
