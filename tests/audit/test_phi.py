@@ -155,3 +155,19 @@ def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
         main(args + ["--fractions", "0.5,2"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: fractions: each must lie in (0, 1], got [0.5, 2.0]"
+
+
+def test_copy64_computes_in_float64_and_leaves_the_model_alone(setup):
+    cfg, model, rb, _, _ = setup
+    m = copy64(model)
+    norm = m.model.norm
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    # the float64 formula, not transformers' float32 round trip
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    assert torch.equal(norm(x), want) and norm(x).dtype == torch.float64
+    assert not torch.equal(norm(x), type(norm).forward(norm, x))  # the stock forward rounds to float32
+    z64 = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
+    with torch.no_grad():
+        z32 = response_logits(model, rb.sequences, rb.attention_mask, rb.prompt_len)
+    assert z64.dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
+    torch.testing.assert_close(z64.float(), z32, rtol=1e-4, atol=1e-4)
