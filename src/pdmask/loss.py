@@ -29,6 +29,7 @@ from .masks import (
     SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
 from .keys import BATCH_DDOT
+from .corrections import apply_corrections, check_corrections, is_weight
 from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
 
 
@@ -91,13 +92,6 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ per token
-def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
-    """The detached IS weight ``min(r, C)`` of the DPPO surrogate, ``C = is_cap`` (``inf``:
-    no cap but :data:`~pdmask.stats.MAX_LOG_RATIO`). Naive: ``log_ratio.exp().clamp(max=C)``."""
-    max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
-    return log_ratio.detach().clamp(max=max_log_w).exp()
-
-
 def token_loss(
     logp: torch.Tensor,  # (N,) differentiable log pi_k
     log_ratio: torch.Tensor,  # (N,) detached log pi_k - log mu_k
@@ -108,9 +102,12 @@ def token_loss(
     is_cap: float = 5.0,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token surrogate and the effective keep mask (the dual clip masks more).
 
+    ``weight`` (N,) replaces the DPPO IS weight ``min(r, is_cap)`` (an off-policy
+    correction's weight, :mod:`pdmask.corrections`); the ``ppo-clip`` surrogate takes none.
     Returns ``(loss_t, keep_eff)``; masked tokens contribute exactly 0 with gradient 0.
     """
     adv = advantages.to(logp.dtype)
@@ -120,9 +117,12 @@ def token_loss(
     logp = torch.where(torch.isneginf(logp), torch.full_like(logp, floor), logp)
     log_ratio = torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio)
     if surrogate == "dppo":
-        per = -is_weight(log_ratio, is_cap) * adv * logp
+        w = is_weight(log_ratio, is_cap) if weight is None else weight.detach().to(logp.dtype)
+        per = -w * adv * logp
         return torch.where(keep, per, torch.zeros_like(per)), keep
     if surrogate == "ppo-clip":
+        if weight is not None:
+            raise ValueError("weight: the ppo-clip surrogate takes no separate IS weight (its ratio is the weight)")
         # r with value exp(log_ratio) and gradient r * grad(log pi_k)
         r = (logp - logp.detach() + log_ratio.detach()).clamp(max=MAX_LOG_RATIO).exp()
         per = torch.maximum(-adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high))
@@ -152,6 +152,7 @@ def mask_metrics(res: MaskResult, keep_eff: torch.Tensor, stats, adv: torch.Tens
     m = {
         "kept_frac": (keep_eff & v).sum() / n,
         "masked_frac": masked.sum() / n,
+        "masked_frac_mode": (~res.keep & v).sum() / n,
         "masked_frac_pos_adv": (masked & (adv > 0)).sum() / n,
         "masked_frac_neg_adv": (masked & (adv < 0)).sum() / n,
         "out_of_region_frac": n_out / n,
@@ -279,6 +280,9 @@ def policy_loss(
     loss_agg: str = "token-mean", temperature: float = 1.0, rollout_logits=None,
     chunk_size: int | None = None, num_tokens=None, num_seqs=None, loss_scale_factor=None,
     validate: bool = True, impl: str = "auto", batch_ddot=None,
+    is_level: str | None = "token", is_floor: float | None = None, is_mask: bool = False,
+    is_batch_normalize: bool = False, rejection=None, rejection_threshold=None,
+    off_policy_mask_threshold: float | None = None,
 ) -> PolicyLossOutput:
     """Trust-region policy-gradient loss with a named mask mode.
 
@@ -297,7 +301,8 @@ def policy_loss(
             mode's, 0.05 for KL, 0.15 for TV).
         eps_low, eps_high: ratio clip for ``grpo`` (clip-higher: eps_high = 0.28).
         is_cap: IS-weight cap C in ``min(r, C)`` (``inf`` disables); in ``grpo`` the
-            dual-clip constant.
+            dual-clip constant. The upper bound of every IS weight (verl
+            ``rollout_is_threshold``, TRL ``vllm_importance_sampling_clip_max``).
         loss_agg: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
             ``seq-mean-token-sum-norm`` (see :func:`aggregate`).
         temperature: the sampling temperature; ``pi = softmax(logits / temperature)``.
@@ -311,26 +316,56 @@ def policy_loss(
         batch_ddot: (B, T) externally computed direction ``<grad log pi_t, P grad Phi>``
             of the batch-aware modes ``pdm-batch-*`` (:func:`pdmask.batchmask.batch_mask`,
             its ``.ddot``); stored in the stats as ``ddot_batch`` (in any mode, for logging).
+        is_level, is_floor, is_mask, is_batch_normalize, rejection, rejection_threshold,
+            off_policy_mask_threshold: the off-policy corrections, a stage after the
+            mode's token mask (:mod:`pdmask.corrections`, docs/corrections.md):
+            ``is_level`` ``"token"`` (default) / ``"sequence"`` / None (verl
+            ``rollout_is``); ``[is_floor, is_cap]`` truncate the weight (TIS) or, with
+            ``is_mask``, mask outside (MIS, IcePop); ``rejection`` rules with verl's
+            ``rollout_rs`` names and ``rejection_threshold`` syntax; DeepSeek-V3.2's
+            off-policy sequence mask at ``off_policy_mask_threshold`` (TRL's name).
 
     Returns:
-        :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors).
+        :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors); ``mask``
+        is the final keep mask (mode and corrections).
     """
-    check_positive("is_cap", is_cap, allow_inf=True)
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
+                             is_batch_normalize=is_batch_normalize, rejection=rejection,
+                             rejection_threshold=rejection_threshold,
+                             off_policy_mask_threshold=off_policy_mask_threshold,
+                             surrogate=get_mode(mode).surrogate)
     mb = _mask_batch(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
         chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
+    return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                 loss_scale_factor=loss_scale_factor)
+
+
+def _loss(mb: MaskedBatch, spec, *, loss_agg, num_tokens, num_seqs, loss_scale_factor) -> PolicyLossOutput:
+    """Everything after the statistics and the token mask: corrections, surrogate, aggregation."""
     batch, adv, stats, res, th = mb.batch, mb.advantages, mb.stats, mb.mask, mb.thresholds
-    per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mb.mode.surrogate,
-                               is_cap=is_cap, eps_low=th.eps_low, eps_high=th.eps_high)
     lead = batch.lead_shape
-    per2 = per.reshape(lead) if len(lead) == 2 else per.reshape(1, -1)
-    valid2 = batch.valid.reshape(per2.shape)
+    seq_shape = lead if len(lead) == 2 else (1, -1)  # (B, T); a flat batch is one sequence
+    valid2 = batch.valid.reshape(seq_shape)
+    corr = apply_corrections(spec, stats["log_ratio"].reshape(seq_shape), adv.reshape(seq_shape), valid2,
+                             surrogate=mb.mode.surrogate)
+    weight = None if corr.weight is None else corr.weight.reshape(-1)
+    ck = corr.keep.reshape(-1)
+    per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep & ck,
+                               surrogate=mb.mode.surrogate, is_cap=spec.is_cap, eps_low=th.eps_low,
+                               eps_high=th.eps_high, weight=weight)
+    # A correction removes the token from the loss in every surrogate (ppo-clip keeps the
+    # constant value of a clipped token, but a rejected one contributes nothing).
+    per = torch.where(ck, per, torch.zeros_like(per))
+    keep_eff = keep_eff & ck
+    per2 = per.reshape(seq_shape)
     loss = aggregate(per2, valid2, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                      loss_scale_factor=loss_scale_factor)
     metrics = mask_metrics(res, keep_eff, stats, adv, batch.valid)
+    metrics.update(corr.metrics)
     metrics["loss"] = loss.detach()
     return PolicyLossOutput(loss, metrics, per.reshape(lead), (keep_eff | ~batch.valid).reshape(lead),
                             unflatten(stats, lead))
