@@ -41,6 +41,9 @@ class Batch:
     valid: torch.Tensor  # (N,) bool: response positions
     lead_shape: tuple  # (B, T) or whatever leading shape the caller used
     vocab_size: int
+    kept_mask: torch.Tensor | None = None  # (N, V) bool: the engine's kept set (truncated sampling)
+    hidden: torch.Tensor | None = None  # (N, H): instead of logits (logits = hidden @ lm_head_weight.T)
+    lm_head_weight: torch.Tensor | None = None  # (V, H)
 
 
 def _fail(arg: str, msg: str) -> None:
@@ -90,13 +93,33 @@ def prepare(
     response_mask: torch.Tensor | None,
     rollout_logits: torch.Tensor | None = None,
     validate: bool = True,
+    kept_mask: torch.Tensor | None = None,
 ) -> Batch:
     """Check shapes, dtypes and values; flatten to (N, ...) and sanitise padding."""
     _check_tensor("logits", logits, float_=True)
     if logits.dim() < 2:
         _fail("logits", f"expected shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
-    lead = tuple(logits.shape[:-1])
-    V = logits.shape[-1]
+    b = prepare_rows(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, sampled_ids, rollout_logprob,
+                     rollout_topk_ids, rollout_topk_logprobs, response_mask, rollout_logits, validate, kept_mask)
+    b.logits = logits.reshape(-1, logits.shape[-1])
+    return b
+
+
+def prepare_rows(
+    lead: tuple,
+    V: int,
+    device,
+    sampled_ids: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    rollout_topk_ids: torch.Tensor | None,
+    rollout_topk_logprobs: torch.Tensor | None,
+    response_mask: torch.Tensor | None,
+    rollout_logits: torch.Tensor | None = None,
+    validate: bool = True,
+    kept_mask: torch.Tensor | None = None,
+) -> Batch:
+    """:func:`prepare` for rows whose logits (leading shape ``lead``, vocabulary ``V``) are
+    not materialised; the returned batch has ``logits=None``."""
     _check_tensor("sampled_ids", sampled_ids, float_=False)
     _check_shape("sampled_ids", sampled_ids, lead, "the leading dims of logits")
     _check_tensor("rollout_logprob", rollout_logprob, float_=True)
@@ -117,9 +140,14 @@ def prepare(
             _fail("rollout_topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
     if rollout_logits is not None:
         _check_tensor("rollout_logits", rollout_logits, float_=True)
-        _check_shape("rollout_logits", rollout_logits, tuple(logits.shape), "same as logits")
+        _check_shape("rollout_logits", rollout_logits, lead + (V,), "same as logits")
+    if kept_mask is not None:
+        if not isinstance(kept_mask, torch.Tensor) or kept_mask.dtype != torch.bool:
+            _fail("rollout_kept_mask", "must be a bool tensor (the engine's kept set), got "
+                  f"{getattr(kept_mask, 'dtype', type(kept_mask).__name__)}")
+        _check_shape("rollout_kept_mask", kept_mask, lead + (V,), "same as logits")
     if response_mask is None:
-        valid = torch.ones(lead, dtype=torch.bool, device=logits.device)
+        valid = torch.ones(lead, dtype=torch.bool, device=device)
     else:
         if not isinstance(response_mask, torch.Tensor):
             _fail("response_mask", f"must be a torch.Tensor, got {type(response_mask).__name__}")
@@ -152,7 +180,7 @@ def prepare(
 
     rl = rollout_logits.reshape(-1, V) if rollout_logits is not None else None
     return Batch(
-        logits=logits.reshape(-1, V),
+        logits=None,
         sampled_ids=ids,
         rollout_logprob=lp,
         topk_ids=tk_ids,
@@ -161,6 +189,7 @@ def prepare(
         valid=valid,
         lead_shape=lead,
         vocab_size=V,
+        kept_mask=None if kept_mask is None else kept_mask.reshape(-1, V),
     )
 
 

@@ -22,15 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-from ._validate import LOSS_AGGS, Batch, check_choice, check_chunk_size, check_positive, prepare
+from ._validate import LOSS_AGGS, Batch, check_choice, check_chunk_size, check_positive, prepare, prepare_rows
 from .keys import ESTIMATORS
 from .masks import (
     SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
 from .keys import BATCH_DDOT
 from .corrections import apply_corrections, check_corrections, is_weight
-from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
+from .stats import MAX_LOG_RATIO, check_truncation, stats_from_batch, unflatten
 
 
 # ------------------------------------------------------------------ aggregation
@@ -169,6 +168,12 @@ def mask_metrics(res: MaskResult, keep_eff: torch.Tensor, stats, adv: torch.Tens
     if "rollout_tail_mass" in stats:
         m["rollout_tail_mass_mean"] = _masked_mean(stats["rollout_tail_mass"], v)
         m["tail_clamped_frac"] = (stats["tail_clamped"] & v).sum() / n
+    if "kept_mass" in stats:  # truncated sampling
+        m["policy_kept_mass_mean"] = _masked_mean(stats["kept_mass"], v)
+        m["kept_size_mean"] = _masked_mean(stats["kept_size"], v)
+        m["kept_set_sampled_outside_frac"] = (stats["sampled_outside"] & v).sum() / n
+        if "kept_topk_mismatch" in stats:
+            m["kept_set_topk_mismatch_frac"] = _masked_mean(stats["kept_topk_mismatch"], v)
     return {k: t.detach() for k, t in m.items()}
 
 
@@ -225,27 +230,51 @@ class MaskedBatch:
 def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
                 advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
                 eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto",
-                batch_ddot=None) -> MaskedBatch:
+                batch_ddot=None, sampling_top_k=None, sampling_top_p=None, sampling_min_p=None,
+                rollout_kept_mask=None, hidden=None, lm_head_weight=None, chunk_cols=None) -> MaskedBatch:
     # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
     check_positive("temperature", temperature)
     check_chunk_size("chunk_size", chunk_size)
-    ops.check_impl(impl)
+    check_chunk_size("chunk_cols", chunk_cols, "vocabulary columns per chunk")
+    sampling = check_truncation(impl, sampling_top_k, sampling_top_p, sampling_min_p, rollout_kept_mask,
+                                rollout_logits)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
     check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None, batch_ddot is not None)
-    batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-                    response_mask, rollout_logits, validate)
+    if hidden is None:
+        batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
+                        response_mask, rollout_logits, validate, rollout_kept_mask)
+    else:
+        _check_hidden(hidden, lm_head_weight)
+        batch = prepare_rows(tuple(hidden.shape[:-1]), lm_head_weight.shape[0], hidden.device, sampled_ids,
+                             rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, response_mask, None,
+                             validate, rollout_kept_mask)
+        batch.hidden, batch.lm_head_weight = hidden.reshape(-1, hidden.shape[-1]), lm_head_weight
     adv = broadcast_advantages(advantages, batch.lead_shape).reshape(-1)
     if validate and bool(torch.isnan(adv[batch.valid]).any()):
         raise ValueError("advantages: contains NaN on response tokens")
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
     stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
-                             validate=validate)
+                             validate=validate, sampling=sampling, chunk_cols=chunk_cols)
     if batch_ddot is not None:
         stats[BATCH_DDOT] = _batch_direction(batch_ddot, batch, stats["log_ratio"].dtype, validate)
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return MaskedBatch(mode_obj, th, batch, adv, stats, res)
+
+
+def _check_hidden(hidden, weight) -> None:
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 2:
+        raise ValueError("hidden: expected a floating-point (B, T, H) or (N, H) tensor, got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
+    H = hidden.shape[-1]
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2 \
+            or weight.shape[1] != H or weight.shape[0] < 1:
+        raise ValueError(f"lm_head_weight: expected a floating-point (V, {H}) tensor (H of hidden), got "
+                         f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"lm_head_weight: must have the dtype and device of hidden ({hidden.dtype}, "
+                         f"{hidden.device}), got {weight.dtype}, {weight.device}")
 
 
 def trust_region_mask(
@@ -254,12 +283,14 @@ def trust_region_mask(
     delta_low: float | None = None, delta_high: float | None = None,
     eps_low: float = 0.2, eps_high: float = 0.2, temperature: float = 1.0,
     rollout_logits=None, chunk_size: int | None = None, validate: bool = True,
-    impl: str = "auto", batch_ddot=None,
+    impl: str = "auto", batch_ddot=None, sampling_top_k: int | None = None, sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None, rollout_kept_mask=None,
 ) -> torch.Tensor:
     """The keep mask ``M`` (B, T) bool of a mode: False iff out of region and outward.
 
-    Same arguments as :func:`policy_loss`. Padding positions are True (they carry no
-    loss anyway). Naive equivalent for ``pdm-topk-kl``::
+    Same arguments as :func:`policy_loss` (the token mask only: the off-policy
+    corrections are a later stage, in :func:`policy_loss`'s ``mask``). Padding positions
+    are True (they carry no loss anyway). Naive equivalent for ``pdm-topk-kl``::
 
         D = token_stats(...)["topk_kl"]; Dd = token_stats(...)["ddot_topk_kl_exact"]
         M = ~((D > where(A > 0, delta_high, delta_low)) & (A * Dd > 0))
@@ -268,7 +299,8 @@ def trust_region_mask(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
+        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
+        sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask)
     return (mb.mask.keep | ~mb.batch.valid).reshape(mb.batch.lead_shape)
 
 
@@ -283,6 +315,8 @@ def policy_loss(
     is_level: str | None = "token", is_floor: float | None = None, is_mask: bool = False,
     is_batch_normalize: bool = False, rejection=None, rejection_threshold=None,
     off_policy_mask_threshold: float | None = None,
+    sampling_top_k: int | None = None, sampling_top_p: float | None = None, sampling_min_p: float | None = None,
+    rollout_kept_mask=None,
 ) -> PolicyLossOutput:
     """Trust-region policy-gradient loss with a named mask mode.
 
@@ -324,6 +358,16 @@ def policy_loss(
             ``is_mask``, mask outside (MIS, IcePop); ``rejection`` rules with verl's
             ``rollout_rs`` names and ``rejection_threshold`` syntax; DeepSeek-V3.2's
             off-policy sequence mask at ``off_policy_mask_threshold`` (TRL's name).
+        sampling_top_k, sampling_top_p, sampling_min_p: the engine's truncated sampling
+            (vLLM's names and order; 0 / -1, 1 and 0 mean off). ``rollout_logprob`` and
+            the top-K must then be the engine's processed (renormalised) log-probs, and
+            ``pi`` is renormalised over the kept set rebuilt on these logits (plus the
+            sampled token); metrics ``policy_kept_mass_mean`` (``pi(S)``, the bias an
+            uncorrected ratio would carry), ``kept_size_mean``,
+            ``kept_set_sampled_outside_frac`` and ``kept_set_topk_mismatch_frac`` (the
+            trainer's set against what the engine reports). docs/truncated_sampling.md.
+        rollout_kept_mask: (B, T, V) bool, the engine's own kept set, instead of the
+            parameters.
 
     Returns:
         :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors); ``mask``
@@ -339,7 +383,58 @@ def policy_loss(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
+        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
+        sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask)
+    return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                 loss_scale_factor=loss_scale_factor)
+
+
+def policy_loss_from_hidden(
+    hidden, lm_head_weight, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
+    response_mask, *, mode: str = "pdm-topk-kl", estimator: str = "exact",
+    delta_low: float | None = None, delta_high: float | None = None,
+    eps_low: float = 0.2, eps_high: float = 0.2, is_cap: float = 5.0,
+    loss_agg: str = "token-mean", temperature: float = 1.0,
+    chunk_cols: int | None = None, chunk_rows: int | None = None, num_tokens=None, num_seqs=None,
+    loss_scale_factor=None, validate: bool = True, batch_ddot=None,
+    is_level: str | None = "token", is_floor: float | None = None, is_mask: bool = False,
+    is_batch_normalize: bool = False, rejection=None, rejection_threshold=None,
+    off_policy_mask_threshold: float | None = None,
+    sampling_top_k: int | None = None, sampling_top_p: float | None = None, sampling_min_p: float | None = None,
+    rollout_kept_mask=None,
+) -> PolicyLossOutput:
+    """:func:`policy_loss` of ``logits = hidden @ lm_head_weight.T`` without the logits.
+
+    The statistics come from :func:`pdmask.ops.hidden_row_stats`, which walks the
+    vocabulary in ``chunk_cols`` column chunks (rows in ``chunk_rows`` chunks under
+    truncated sampling), so no (N, V) tensor exists; ``loss.backward()`` gives gradients
+    to ``hidden`` and to ``lm_head_weight``. Everything after the statistics (mask,
+    corrections, surrogate, aggregation, metrics) is :func:`policy_loss`'s own code.
+
+    Args:
+        hidden: (B, T, H) final hidden states at the response positions (after the last
+            norm: what the LM head multiplies).
+        lm_head_weight: (V, H) the LM-head weight (same dtype and device). No bias, no
+            logit soft-capping.
+        chunk_cols, chunk_rows: vocabulary columns / rows per chunk (None: 4 M logits).
+        Everything else: as :func:`policy_loss`. Not available: ``rollout_logits`` (the
+        ``*-full-*`` modes) and ``impl`` (this path is plain torch).
+
+    Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, sampled_ids, ...)``.
+    """
+    check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
+                             is_batch_normalize=is_batch_normalize, rejection=rejection,
+                             rejection_threshold=rejection_threshold,
+                             off_policy_mask_threshold=off_policy_mask_threshold,
+                             surrogate=get_mode(mode).surrogate)
+    mb = _mask_batch(
+        None, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
+        response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
+        eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=None,
+        chunk_size=chunk_rows, validate=validate, impl="torch", batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
+        sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask,
+        hidden=hidden, lm_head_weight=lm_head_weight, chunk_cols=chunk_cols)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
 
