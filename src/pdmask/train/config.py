@@ -80,12 +80,23 @@ class TrainConfig:
     eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
     is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
     loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
+    # ---------------------------------------------------------------- off-policy corrections (docs/corrections.md)
+    is_level: typing.Optional[str] = _f("token", "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is")
+    is_floor: typing.Optional[float] = _f(None, "lower bound of the IS weight (null: none); TRL vllm_importance_sampling_clip_min")
+    is_mask: bool = _f(False, "mask tokens/sequences whose IS weight is outside [is_floor, is_cap] (MIS, IcePop) instead of truncating (TIS)")
+    is_batch_normalize: bool = _f(False, "divide the IS weights by their batch mean; verl rollout_is_batch_normalize")
+    rejection: str = _f("", "rejection rules, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/3; empty: none); verl rollout_rs")
+    rejection_threshold: str = _f("", "their thresholds in verl's syntax: one value, or one per rule, 'lo_hi' for k1 rules; verl rollout_rs_threshold")
+    off_policy_mask_threshold: typing.Optional[float] = _f(None, "mask sequences with A < 0 and mean log(mu/pi) above this (DeepSeek-V3.2; TRL's name; null: off)")
     # ---------------------------------------------------------------- engine
     engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
     engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
     top_k: int = _f(20, "K of the engine's reported top-K log-probs")
     sync_every: int = _f(1, "copy trainer weights to the engine every N steps (N > 1: policy lag of up to N-1 steps)")
     full_logits: bool = _f(False, "also fetch the engine's full logits (oracle mismatch metrics; needed by pdm-full-* modes)")
+    sampling_top_k: int = _f(0, "engine samples from its k most likely tokens (0: off); the loss renormalises pi over the same kept set")
+    sampling_top_p: float = _f(1.0, "engine samples from the smallest set holding top_p of the mass (1: off; vLLM's order: min_p, top_k, top_p)")
+    sampling_min_p: float = _f(0.0, "engine drops tokens below min_p x the top probability (0: off)")
     # ---------------------------------------------------------------- logging / checkpoints
     eval_every: int = _f(5, "held-out greedy accuracy every N steps (and at step 0 and the end)")
     checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
@@ -153,7 +164,38 @@ class TrainConfig:
             raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
         if self.task == "jsonl" and not self.train_file:
             raise ValueError("train_file: required when task=jsonl")
+        _validate_corrections(self)
         return self
+
+
+def correction_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """The off-policy correction and truncated-sampling keywords of :func:`pdmask.policy_loss`
+    from the config (the field names are the keyword names)."""
+    return dict(is_level=cfg.is_level, is_floor=cfg.is_floor, is_mask=cfg.is_mask,
+                is_batch_normalize=cfg.is_batch_normalize, rejection=cfg.rejection or None,
+                rejection_threshold=cfg.rejection_threshold or None,
+                off_policy_mask_threshold=cfg.off_policy_mask_threshold, sampling_top_k=cfg.sampling_top_k,
+                sampling_top_p=cfg.sampling_top_p, sampling_min_p=cfg.sampling_min_p)
+
+
+def _validate_corrections(cfg: TrainConfig) -> None:
+    """The corrections' and truncation's own checks (errors name the field: the field names
+    are the keyword names of pdmask.policy_loss)."""
+    from .. import MODES
+    from ..corrections import check_corrections
+    from ..ops import check_sampling
+
+    kw = correction_kwargs(cfg)
+    check_corrections(is_level=kw["is_level"], is_cap=cfg.is_cap, is_floor=kw["is_floor"], is_mask=kw["is_mask"],
+                      is_batch_normalize=kw["is_batch_normalize"], rejection=kw["rejection"],
+                      rejection_threshold=kw["rejection_threshold"],
+                      off_policy_mask_threshold=kw["off_policy_mask_threshold"],
+                      surrogate=MODES[cfg.mode].surrogate if cfg.mode in MODES else "dppo")
+    if check_sampling(cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p) is not None and cfg.full_logits:
+        on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
+                  if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
+        raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
+                         "(the full-vocabulary terms are those of the untruncated mu)")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
