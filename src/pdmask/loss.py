@@ -365,7 +365,7 @@ def policy_loss(
             sampled token); metrics ``policy_kept_mass_mean`` (``pi(S)``, the bias an
             uncorrected ratio would carry), ``kept_size_mean``,
             ``kept_set_sampled_outside_frac`` and ``kept_set_topk_mismatch_frac`` (the
-            trainer's set against what the engine reports). docs/truncated_sampling.md.
+            trainer's set against what the engine reports). docs/corrections.md.
         rollout_kept_mask: (B, T, V) bool, the engine's own kept set, instead of the
             parameters.
 
