@@ -88,6 +88,10 @@ class TrainConfig:
     rejection: str = _f("", "rejection rules, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/3; empty: none); verl rollout_rs")
     rejection_threshold: str = _f("", "their thresholds in verl's syntax: one value, or one per rule, 'lo_hi' for k1 rules; verl rollout_rs_threshold")
     off_policy_mask_threshold: typing.Optional[float] = _f(None, "mask sequences with A < 0 and mean log(mu/pi) above this (DeepSeek-V3.2; TRL's name; null: off)")
+    batch_params: str = _f("all", "pdm-batch-* modes only: parameters of the batch direction, all or N (the last N "
+                                  "blocks + final norm + LM head: the cheaper variant)")
+    batch_method: str = _f("auto", "pdm-batch-* modes only: how the batch direction's J v is computed: auto "
+                                   "(forward mode, double backward if the model lacks it), jvp, double-backward")
     # ---------------------------------------------------------------- engine
     engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
     engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
@@ -119,6 +123,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
+        from ..batchmask import METHODS
         from ..directions import ESTIMATORS
         from .._validate import LOSS_AGGS
         from ..engine.precision import PRECISIONS
@@ -126,7 +131,7 @@ class TrainConfig:
 
         choices = {"arch": ("llama", "qwen3"), "task": ("arithmetic", "jsonl"), "mode": tuple(MODES),
                    "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
-                   "engine": tuple(engine_names())}
+                   "engine": tuple(engine_names()), "batch_method": METHODS}
         for k, valid in choices.items():
             if getattr(self, k) not in valid:
                 raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
@@ -160,6 +165,10 @@ class TrainConfig:
             raise ValueError(f"minibatches: must divide prompts_per_step * group_size = {n}, got {self.minibatches}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: must divide hidden_size = {self.hidden_size}, got {self.num_heads}")
+        if self.batch_params != "all" and not (self.batch_params.isdigit() and int(self.batch_params) >= 1):
+            raise ValueError(f"batch_params: expected all or a number of last blocks >= 1, got {self.batch_params!r}")
+        if self.batch_params != "all" and not self.model_path and int(self.batch_params) > self.num_layers:
+            raise ValueError(f"batch_params: the model has num_layers={self.num_layers} blocks, got {self.batch_params}")
         if self.mode.startswith("pdm-full") and not self.full_logits:
             raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
         if self.task == "jsonl" and not self.train_file:
@@ -191,11 +200,16 @@ def _validate_corrections(cfg: TrainConfig) -> None:
                       rejection_threshold=kw["rejection_threshold"],
                       off_policy_mask_threshold=kw["off_policy_mask_threshold"],
                       surrogate=MODES[cfg.mode].surrogate if cfg.mode in MODES else "dppo")
-    if check_sampling(cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p) is not None and cfg.full_logits:
-        on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
-                  if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
+    if check_sampling(cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p) is None:
+        return
+    on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
+              if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
+    if cfg.full_logits:
         raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
                          "(the full-vocabulary terms are those of the untruncated mu)")
+    if cfg.mode in MODES and "batch" in MODES[cfg.mode].needs:
+        raise ValueError(f"{on}: mode {cfg.mode!r} computes its batch direction on the untruncated pi; "
+                         "truncated sampling is not available with the pdm-batch-* modes")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
