@@ -89,6 +89,7 @@ def test_config_fields_and_errors():
         (["sampling_top_k=5", "full_logits=true"], r"^sampling_top_k: truncated sampling cannot be combined"),
         (["mode=grpo", "is_level=sequence"], r"^is_level: 'sequence' weights are refused with grpo"),
         (["off_policy_mask_threshold=-1"], r"^off_policy_mask_threshold: "),
+        (["mode=pdm-batch-topk-kl", "sampling_top_p=0.9"], r"^sampling_top_p: mode 'pdm-batch-topk-kl' computes"),
     ]:
         with pytest.raises(ValueError, match=msg):
             load_config(None, over)
