@@ -287,9 +287,10 @@ def _importance(spec: CorrectionSpec, log_ratio, valid):
             m["is_batch_norm_factor"] = torch.where(ok, mean, torch.ones_like(mean))
     w = torch.where(valid, w, torch.zeros_like(w))
     big = torch.finfo(w.dtype).max
+    w_min = torch.where(valid, w, torch.full_like(w, big)).min() if w.numel() else w.new_zeros(())
     m.update({
         "is_weight_mean": _masked_mean(w, valid),
-        "is_weight_min": torch.where(valid, w, torch.full_like(w, big)).min() if w.numel() else w.new_zeros(()),
+        "is_weight_min": torch.where(valid.any(), w_min, torch.zeros_like(w_min)),  # 0 for an empty batch
         "is_weight_max": torch.where(valid, w, torch.zeros_like(w)).max() if w.numel() else w.new_zeros(()),
     })
     return w.detach(), keep | ~valid, {k: v.detach() for k, v in m.items()}
@@ -396,7 +397,8 @@ def apply_corrections(spec: CorrectionSpec, log_ratio: torch.Tensor, advantages:
         w, k_is, m_is = _importance(spec, log_ratio, valid)
         weight = w if surrogate == "dppo" else None
         keep = keep & k_is
-        m.update(m_is)
+        # ppo-clip applies the masks only: its weight is the PPO ratio, not this one
+        m.update({k: v for k, v in m_is.items() if surrogate == "dppo" or not k.startswith("is_weight")})
     if spec.rules:
         k_rs, m_rs = _rejection(spec.rules, log_ratio, valid)
         keep = keep & k_rs
