@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
-from ._validate import LOSS_AGGS, Batch, check_choice, check_chunk_size, check_positive, prepare
+from ._validate import (
+    LOSS_AGGS, Batch, Checks, check_choice, check_chunk_size, check_count, check_device, check_positive, prepare,
+)
 from .keys import ESTIMATORS
 from .masks import (
     SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
@@ -41,6 +43,7 @@ def aggregate(
     num_tokens=None,
     num_seqs=None,
     loss_scale_factor=None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Reduce per-token values to a scalar with verl's aggregation modes.
 
@@ -55,24 +58,32 @@ def aggregate(
       the max response length so the scale does not move with the batch).
 
     ``num_tokens`` / ``num_seqs`` replace the local denominators (e.g. global counts
-    under data parallelism or gradient accumulation). Padding is excluded with
-    ``where``, so NaN/inf in padded positions cannot leak. Empty batches give 0.
+    under data parallelism or gradient accumulation); given, they are used as they are
+    and must be positive finite numbers (or one-element tensors holding one; their value
+    is checked with a host sync unless ``validate=False``), as must ``loss_scale_factor``.
+    Padding is excluded with ``where``, so NaN/inf in padded positions cannot leak. Empty
+    batches give 0 (with the local counts).
     """
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    checks = Checks() if validate else None
+    for name, v in (("num_tokens", num_tokens), ("num_seqs", num_seqs), ("loss_scale_factor", loss_scale_factor)):
+        check_count(name, v, checks)
+    if checks is not None:
+        checks.run()
     if token_values.dim() == 1:
         token_values, response_mask = token_values[None], response_mask[None]
     m = response_mask.bool()
     x = torch.where(m, token_values, torch.zeros_like(token_values))
     if loss_agg == "token-mean":
-        den = m.sum() if num_tokens is None else num_tokens
-        return x.sum() / _clamp1(den, x)
+        den = _clamp1(m.sum(), x) if num_tokens is None else _given(num_tokens, x)
+        return x.sum() / den
     n_b = m.sum(-1)
     seq_ok = n_b > 0
-    den = seq_ok.sum() if num_seqs is None else num_seqs
+    den = _clamp1(seq_ok.sum(), x) if num_seqs is None else _given(num_seqs, x)
     if loss_agg == "seq-mean-token-mean":
         per_seq = x.sum(-1) / n_b.clamp(min=1).to(x.dtype)
-        return per_seq.sum() / _clamp1(den, x)
-    out = x.sum() / _clamp1(den, x)
+        return per_seq.sum() / den
+    out = x.sum() / den
     if loss_agg == "seq-mean-token-sum-norm":
         scale = token_values.shape[-1] if loss_scale_factor is None else loss_scale_factor
         out = out / scale
@@ -83,6 +94,13 @@ def _clamp1(den, like: torch.Tensor):
     if isinstance(den, torch.Tensor):
         return den.to(like.dtype).clamp(min=1)
     return max(float(den), 1.0)
+
+
+def _given(den, like: torch.Tensor):
+    """A user-given (checked, positive) denominator, used as it is."""
+    if isinstance(den, torch.Tensor):
+        return den.detach().reshape(()).to(like.dtype)
+    return float(den)
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -185,9 +203,11 @@ class PolicyLossOutput:
     stats: dict
 
 
-def broadcast_advantages(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
+def broadcast_advantages(advantages: torch.Tensor, lead: tuple, like: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError("advantages: must be a floating-point torch.Tensor")
+    if like is not None:
+        check_device("advantages", advantages, like)
     if tuple(advantages.shape) == lead:
         return advantages
     if advantages.dim() == 1 and len(lead) == 2 and advantages.shape[0] == lead[0]:
@@ -195,17 +215,19 @@ def broadcast_advantages(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
     raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
 
 
-def _batch_direction(batch_ddot, batch, dtype, validate: bool) -> torch.Tensor:
-    """``batch_ddot`` (lead shape) flattened, detached, 0 on padding (where any junk may sit)."""
+def _batch_direction(batch_ddot, batch, checks: Checks | None) -> torch.Tensor:
+    """``batch_ddot`` (lead shape) flattened and detached (its values checked through
+    ``checks``); :func:`_mask_batch` zeroes it on padding (where any junk may sit)."""
     if not isinstance(batch_ddot, torch.Tensor) or not batch_ddot.is_floating_point():
         raise ValueError("batch_ddot: must be a floating-point torch.Tensor")
     if tuple(batch_ddot.shape) != tuple(batch.lead_shape):
         raise ValueError(f"batch_ddot: expected shape {tuple(batch.lead_shape)} (the leading dims of logits), "
                          f"got {tuple(batch_ddot.shape)}")
-    d = batch_ddot.detach().reshape(-1).to(dtype)
-    if validate and bool((~torch.isfinite(d) & batch.valid).any()):
-        raise ValueError("batch_ddot: contains NaN or inf on response tokens")
-    return torch.where(batch.valid, d, torch.zeros_like(d))
+    check_device("batch_ddot", batch_ddot, batch.logits)
+    d = batch_ddot.detach().reshape(-1)
+    if checks is not None:
+        checks.add("batch_ddot", "contains NaN or inf on response tokens", (~torch.isfinite(d) & batch.valid).any())
+    return d
 
 
 @dataclass
@@ -224,7 +246,7 @@ class MaskedBatch:
 def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
                 advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
                 eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto",
-                batch_ddot=None) -> MaskedBatch:
+                batch_ddot=None, counts: dict | None = None) -> MaskedBatch:
     # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -233,16 +255,23 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
     ops.check_impl(impl)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
     check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None, batch_ddot is not None)
+    # every data check of the inputs goes into one Checks: one host sync before the logits are read
+    checks = Checks() if validate else None
     batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-                    response_mask, rollout_logits, validate)
-    adv = broadcast_advantages(advantages, batch.lead_shape).reshape(-1)
-    if validate and bool(torch.isnan(adv[batch.valid]).any()):
-        raise ValueError("advantages: contains NaN on response tokens")
+                    response_mask, rollout_logits, validate, checks=checks)
+    adv = broadcast_advantages(advantages, batch.lead_shape, logits).reshape(-1)
+    ddot = None if batch_ddot is None else _batch_direction(batch_ddot, batch, checks)
+    if checks is not None:
+        checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & batch.valid).any())
+        for name, v in (counts or {}).items():
+            check_count(name, v, checks)
+        checks.run()
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
     stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
                              validate=validate)
-    if batch_ddot is not None:
-        stats[BATCH_DDOT] = _batch_direction(batch_ddot, batch, stats["log_ratio"].dtype, validate)
+    if ddot is not None:
+        ddot = ddot.to(stats["log_ratio"].dtype)
+        stats[BATCH_DDOT] = torch.where(batch.valid, ddot, torch.zeros_like(ddot))
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return MaskedBatch(mode_obj, th, batch, adv, stats, res)
 
@@ -317,11 +346,14 @@ def policy_loss(
     """
     check_positive("is_cap", is_cap, allow_inf=True)
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "loss_scale_factor": loss_scale_factor}
+    for name, v in counts.items():
+        check_count(name, v)  # numbers now; a tensor's value with the other data checks
     mb = _mask_batch(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
-        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot)
+        chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot, counts=counts)
     batch, adv, stats, res, th = mb.batch, mb.advantages, mb.stats, mb.mask, mb.thresholds
     per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep, surrogate=mb.mode.surrogate,
                                is_cap=is_cap, eps_low=th.eps_low, eps_high=th.eps_high)
@@ -329,7 +361,7 @@ def policy_loss(
     per2 = per.reshape(lead) if len(lead) == 2 else per.reshape(1, -1)
     valid2 = batch.valid.reshape(per2.shape)
     loss = aggregate(per2, valid2, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     loss_scale_factor=loss_scale_factor)
+                     loss_scale_factor=loss_scale_factor, validate=False)
     metrics = mask_metrics(res, keep_eff, stats, adv, batch.valid)
     metrics["loss"] = loss.detach()
     return PolicyLossOutput(loss, metrics, per.reshape(lead), (keep_eff | ~batch.valid).reshape(lead),
