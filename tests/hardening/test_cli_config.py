@@ -129,6 +129,7 @@ TRAIN = [
     ("name with slash", fixed(["name=a/b"], ["name"])),
     ("name dotdot", fixed(["name=.."], ["name"])),
     ("out_dir empty", fixed(["out_dir= "], ["out_dir"])),
+    ("chat template without one", fixed(["use_chat_template=true"], ["use_chat_template"])),
     # the machine
     ("device cuda", fixed(["device=cuda"], ["device", "cuda"])),
     ("device cuda:3", fixed(["device=cuda:3"], ["device"])),

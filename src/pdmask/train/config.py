@@ -153,6 +153,9 @@ class TrainConfig:
         if not self.out_dir.strip():
             raise ValueError("out_dir: must not be empty")
         if not self.model_path:  # the built-in model and its BPE tokenizer
+            if self.use_chat_template:
+                raise ValueError("use_chat_template: the built-in tokenizer has no chat template; set model_path to "
+                                 "a checkpoint whose tokenizer has one, or use_chat_template=false")
             if self.vocab_size < 300:
                 raise ValueError(f"vocab_size: must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}")
             if self.top_k > self.vocab_size:

@@ -59,8 +59,9 @@ def check_file(key: str, path: str) -> None:
         raise ValueError(f"{key}: cannot read {path!r} ({e.strerror or e})") from None
 
 
-def check_model_dir(path: str, key: str = "model_path") -> None:
-    """``path`` is a local Hugging Face model directory whose config and tokenizer load."""
+def check_model_dir(path: str, key: str = "model_path", chat_template: bool = False) -> None:
+    """``path`` is a local Hugging Face model directory whose config and tokenizer load (and,
+    with ``chat_template``, whose tokenizer has a chat template)."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{key}: {path!r} not found")
@@ -83,10 +84,13 @@ def check_model_dir(path: str, key: str = "model_path") -> None:
         raise ValueError(f"{key}: {str(cfg_file)!r} cannot be loaded by transformers "
                          f"({type(e).__name__}: {_first_line(e)})") from None
     try:
-        AutoTokenizer.from_pretrained(p, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as e:
         raise ValueError(f"{key}: the tokenizer in {path!r} cannot be loaded ({type(e).__name__}: "
                          f"{_first_line(e)})") from None
+    if chat_template and not getattr(tok, "chat_template", None):
+        raise ValueError(f"use_chat_template: the tokenizer in {path!r} has no chat template; "
+                         "set use_chat_template=false")
 
 
 def _first_line(e: Exception) -> str:
@@ -122,7 +126,7 @@ def check_environment(cfg) -> None:
         if cfg.eval_file:
             check_file("eval_file", cfg.eval_file)
     if cfg.model_path:
-        check_model_dir(cfg.model_path)
+        check_model_dir(cfg.model_path, chat_template=cfg.use_chat_template)
     if not (cfg.model_path and cfg.sft_steps == 0) and not (sft_dir(cfg) / "sft.json").exists():
         # the SFT base must be trained and cached: the cache must take it
         check_writable_dir(cache_root(cfg), "cache_dir" if cfg.cache_dir else "cache_dir (PDMASK_CACHE)")
