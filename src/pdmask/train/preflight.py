@@ -117,9 +117,9 @@ def check_reward(spec: str) -> None:
 
 
 def check_environment(cfg) -> None:
-    """Everything the configuration names must exist and be usable (see the module docstring)."""
-    from .sft import cache_root, sft_dir
-
+    """Everything the configuration names must exist and be usable (see the module docstring;
+    the SFT cache is checked by :func:`pdmask.train.sft.ensure_sft_checkpoint` with
+    :func:`check_cache` when it must be written)."""
     check_device(cfg.device)
     if cfg.task == "jsonl":
         check_file("train_file", cfg.train_file)
@@ -127,10 +127,12 @@ def check_environment(cfg) -> None:
             check_file("eval_file", cfg.eval_file)
     if cfg.model_path:
         check_model_dir(cfg.model_path, chat_template=cfg.use_chat_template)
-    if not (cfg.model_path and cfg.sft_steps == 0) and not (sft_dir(cfg) / "sft.json").exists():
-        # the SFT base must be trained and cached: the cache must take it
-        check_writable_dir(cache_root(cfg), "cache_dir" if cfg.cache_dir else "cache_dir (PDMASK_CACHE)")
     check_reward(cfg.reward)
+
+
+def check_cache(cfg, root: Path) -> None:
+    """The SFT cache ``root`` can take a new entry."""
+    check_writable_dir(root, "cache_dir" if cfg.cache_dir else "cache_dir (PDMASK_CACHE)")
 
 
 def check_run(cfg, *, resume: bool = False) -> None:

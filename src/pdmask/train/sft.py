@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
-from .preflight import check_environment, check_lengths
+from .preflight import check_cache, check_environment, check_lengths
 from .rollout import greedy_eval
 from .rundir import share_like_umask, writing
 from .tasks import TASK_VERSION, build_task, eval_rewards
@@ -78,6 +78,7 @@ def ensure_sft_checkpoint(cfg, *, console=None) -> Path:
     final = sft_dir(cfg)
     if (final / "sft.json").exists():
         return final
+    check_cache(cfg, final.parent)  # a miss: the cache must take the new entry
     with writing(final.parent):
         final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
