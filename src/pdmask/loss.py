@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import LOSS_AGGS, Batch, check_choice, check_chunk_size, check_positive, prepare, prepare_rows
+from ._validate import (
+    LOSS_AGGS, Batch, Checks, check_choice, check_chunk_size, check_count, check_device, check_positive, prepare,
+    prepare_rows,
+)
 from .keys import ESTIMATORS
 from .masks import (
     SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
@@ -41,6 +44,7 @@ def aggregate(
     num_tokens=None,
     num_seqs=None,
     loss_scale_factor=None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Reduce per-token values to a scalar with verl's aggregation modes.
 
@@ -55,24 +59,32 @@ def aggregate(
       the max response length so the scale does not move with the batch).
 
     ``num_tokens`` / ``num_seqs`` replace the local denominators (e.g. global counts
-    under data parallelism or gradient accumulation). Padding is excluded with
-    ``where``, so NaN/inf in padded positions cannot leak. Empty batches give 0.
+    under data parallelism or gradient accumulation); given, they are used as they are
+    and must be positive finite numbers (or one-element tensors holding one; their value
+    is checked with a host sync unless ``validate=False``), as must ``loss_scale_factor``.
+    Padding is excluded with ``where``, so NaN/inf in padded positions cannot leak. Empty
+    batches give 0 (with the local counts).
     """
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    checks = Checks() if validate else None
+    for name, v in (("num_tokens", num_tokens), ("num_seqs", num_seqs), ("loss_scale_factor", loss_scale_factor)):
+        check_count(name, v, checks)
+    if checks is not None:
+        checks.run()
     if token_values.dim() == 1:
         token_values, response_mask = token_values[None], response_mask[None]
     m = response_mask.bool()
     x = torch.where(m, token_values, torch.zeros_like(token_values))
     if loss_agg == "token-mean":
-        den = m.sum() if num_tokens is None else num_tokens
-        return x.sum() / _clamp1(den, x)
+        den = _clamp1(m.sum(), x) if num_tokens is None else _given(num_tokens, x)
+        return x.sum() / den
     n_b = m.sum(-1)
     seq_ok = n_b > 0
-    den = seq_ok.sum() if num_seqs is None else num_seqs
+    den = _clamp1(seq_ok.sum(), x) if num_seqs is None else _given(num_seqs, x)
     if loss_agg == "seq-mean-token-mean":
         per_seq = x.sum(-1) / n_b.clamp(min=1).to(x.dtype)
-        return per_seq.sum() / _clamp1(den, x)
-    out = x.sum() / _clamp1(den, x)
+        return per_seq.sum() / den
+    out = x.sum() / den
     if loss_agg == "seq-mean-token-sum-norm":
         scale = token_values.shape[-1] if loss_scale_factor is None else loss_scale_factor
         out = out / scale
@@ -83,6 +95,13 @@ def _clamp1(den, like: torch.Tensor):
     if isinstance(den, torch.Tensor):
         return den.to(like.dtype).clamp(min=1)
     return max(float(den), 1.0)
+
+
+def _given(den, like: torch.Tensor):
+    """A user-given (checked, positive) denominator, used as it is."""
+    if isinstance(den, torch.Tensor):
+        return den.detach().reshape(()).to(like.dtype)
+    return float(den)
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -191,9 +210,11 @@ class PolicyLossOutput:
     stats: dict
 
 
-def broadcast_advantages(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
+def broadcast_advantages(advantages: torch.Tensor, lead: tuple, like: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         raise ValueError("advantages: must be a floating-point torch.Tensor")
+    if like is not None:
+        check_device("advantages", advantages, like)
     if tuple(advantages.shape) == lead:
         return advantages
     if advantages.dim() == 1 and len(lead) == 2 and advantages.shape[0] == lead[0]:
@@ -201,17 +222,19 @@ def broadcast_advantages(advantages: torch.Tensor, lead: tuple) -> torch.Tensor:
     raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
 
 
-def _batch_direction(batch_ddot, batch, dtype, validate: bool) -> torch.Tensor:
-    """``batch_ddot`` (lead shape) flattened, detached, 0 on padding (where any junk may sit)."""
+def _batch_direction(batch_ddot, batch, checks: Checks | None) -> torch.Tensor:
+    """``batch_ddot`` (lead shape) flattened and detached (its values checked through
+    ``checks``); :func:`_mask_batch` zeroes it on padding (where any junk may sit)."""
     if not isinstance(batch_ddot, torch.Tensor) or not batch_ddot.is_floating_point():
         raise ValueError("batch_ddot: must be a floating-point torch.Tensor")
     if tuple(batch_ddot.shape) != tuple(batch.lead_shape):
         raise ValueError(f"batch_ddot: expected shape {tuple(batch.lead_shape)} (the leading dims of logits), "
                          f"got {tuple(batch_ddot.shape)}")
-    d = batch_ddot.detach().reshape(-1).to(dtype)
-    if validate and bool((~torch.isfinite(d) & batch.valid).any()):
-        raise ValueError("batch_ddot: contains NaN or inf on response tokens")
-    return torch.where(batch.valid, d, torch.zeros_like(d))
+    check_device("batch_ddot", batch_ddot, batch.valid)
+    d = batch_ddot.detach().reshape(-1)
+    if checks is not None:
+        checks.add("batch_ddot", "contains NaN or inf on response tokens", (~torch.isfinite(d) & batch.valid).any())
+    return d
 
 
 @dataclass
@@ -231,7 +254,8 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
                 advantages, response_mask, *, mode, estimator, delta_low, delta_high, eps_low,
                 eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto",
                 batch_ddot=None, sampling_top_k=None, sampling_top_p=None, sampling_min_p=None,
-                rollout_kept_mask=None, hidden=None, lm_head_weight=None, chunk_cols=None) -> MaskedBatch:
+                rollout_kept_mask=None, hidden=None, lm_head_weight=None, chunk_cols=None,
+                counts: dict | None = None) -> MaskedBatch:
     # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -242,25 +266,40 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
                                 rollout_logits)
     th = resolve_thresholds(mode_obj, delta_low, delta_high, eps_low, eps_high)
     check_inputs_for(mode_obj, rollout_topk_ids is not None, rollout_logits is not None, batch_ddot is not None)
+    # every data check of the inputs goes into one Checks: one host sync before the logits are read
+    checks = Checks() if validate else None
     if hidden is None:
         batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-                        response_mask, rollout_logits, validate, rollout_kept_mask)
+                        response_mask, rollout_logits, validate, rollout_kept_mask, checks=checks)
     else:
         _check_hidden(hidden, lm_head_weight)
         batch = prepare_rows(tuple(hidden.shape[:-1]), lm_head_weight.shape[0], hidden.device, sampled_ids,
                              rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, response_mask, None,
-                             validate, rollout_kept_mask)
+                             validate, rollout_kept_mask, checks=checks)
         batch.hidden, batch.lm_head_weight = hidden.reshape(-1, hidden.shape[-1]), lm_head_weight
-    adv = broadcast_advantages(advantages, batch.lead_shape).reshape(-1)
-    if validate and bool(torch.isnan(adv[batch.valid]).any()):
-        raise ValueError("advantages: contains NaN on response tokens")
+    adv = broadcast_advantages(advantages, batch.lead_shape, batch.valid).reshape(-1)
+    ddot = None if batch_ddot is None else _batch_direction(batch_ddot, batch, checks)
+    if checks is not None:
+        checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & batch.valid).any())
+        for name, v in (counts or {}).items():
+            check_count(name, v, checks)
+        checks.run()
     adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
     stats = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
                              validate=validate, sampling=sampling, chunk_cols=chunk_cols)
-    if batch_ddot is not None:
-        stats[BATCH_DDOT] = _batch_direction(batch_ddot, batch, stats["log_ratio"].dtype, validate)
+    if ddot is not None:
+        ddot = ddot.to(stats["log_ratio"].dtype)
+        stats[BATCH_DDOT] = torch.where(batch.valid, ddot, torch.zeros_like(ddot))
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return MaskedBatch(mode_obj, th, batch, adv, stats, res)
+
+
+def _check_counts(**counts) -> dict:
+    """The user-given denominators, checked now when numbers (a tensor's value is checked
+    with the other data checks, in the one host sync of :func:`_mask_batch`)."""
+    for name, v in counts.items():
+        check_count(name, v)
+    return counts
 
 
 def _check_hidden(hidden, weight) -> None:
@@ -374,6 +413,7 @@ def policy_loss(
         is the final keep mask (mode and corrections).
     """
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    counts = _check_counts(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
                              is_batch_normalize=is_batch_normalize, rejection=rejection,
                              rejection_threshold=rejection_threshold,
@@ -384,7 +424,8 @@ def policy_loss(
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
         chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
-        sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask)
+        sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask,
+        counts=counts)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
 
@@ -423,6 +464,7 @@ def policy_loss_from_hidden(
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, sampled_ids, ...)``.
     """
     check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    counts = _check_counts(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
     spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
                              is_batch_normalize=is_batch_normalize, rejection=rejection,
                              rejection_threshold=rejection_threshold,
@@ -434,7 +476,7 @@ def policy_loss_from_hidden(
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=None,
         chunk_size=chunk_rows, validate=validate, impl="torch", batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
         sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask,
-        hidden=hidden, lm_head_weight=lm_head_weight, chunk_cols=chunk_cols)
+        hidden=hidden, lm_head_weight=lm_head_weight, chunk_cols=chunk_cols, counts=counts)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
 
@@ -458,7 +500,7 @@ def _loss(mb: MaskedBatch, spec, *, loss_agg, num_tokens, num_seqs, loss_scale_f
     keep_eff = keep_eff & ck
     per2 = per.reshape(seq_shape)
     loss = aggregate(per2, valid2, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                     loss_scale_factor=loss_scale_factor)
+                     loss_scale_factor=loss_scale_factor, validate=False)
     metrics = mask_metrics(res, keep_eff, stats, adv, batch.valid)
     metrics.update(corr.metrics)
     metrics["loss"] = loss.detach()

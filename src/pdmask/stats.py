@@ -16,12 +16,14 @@ Naive torch equivalent of :func:`stats_from_batch` (binary part)::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import directions as dirs
 from . import divergences as divs
 from . import ops
-from ._validate import Batch, check_chunk_size, check_positive, prepare
+from ._validate import Batch, Checks, check_chunk_size, check_positive, prepare
 from .keys import ESTIMATORS, ddot_key
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
@@ -55,6 +57,26 @@ def binary_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, sum_p2: torch.T
     }
 
 
+def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int) -> dict[str, torch.Tensor]:
+    """The reductions with padding rows replaced by those of a uniform pi = mu.
+
+    Padding logits may hold anything (NaN, inf): their statistics are junk, and a NaN
+    there would reach the gradient through a multiplication by zero. ``where`` cuts both
+    the value and the gradient path (the op's backward then sees a zero upstream gradient
+    on those rows and writes zeros there, whatever the logits hold). (N,) work only."""
+    if not valid.is_cuda and bool(valid.all()):
+        return red  # CPU without padding: nothing to replace (the test is free on CPU)
+    logv = math.log(V)
+    fill = {"lse": 0.0, "logp": -logv, "sum_p2": 1.0 / V, "entropy": logv, "topk_logp": -logv,
+            "full_kl": 0.0, "full_tv": 0.0, "full_mu_k": 1.0 / V, "sum_p_mu": 1.0 / V, "sum_p_s": 0.0,
+            "sum_p2_s": 0.0, "kept_mass": 1.0, "kept_size": V, "sampled_outside": 0, "kept_topk_mismatch": 0}
+    out = {}
+    for k, x in red.items():
+        m = valid if x.dim() == 1 else valid[:, None]
+        out[k] = torch.where(m, x, torch.full_like(x, fill[k])) if k in fill else x
+    return out
+
+
 def stats_from_batch(
     batch: Batch, *, temperature: float, chunk_rows: int | None = None, impl: str = "auto",
     validate: bool = True, sampling: ops.Sampling | None = None, chunk_cols: int | None = None,
@@ -79,10 +101,19 @@ def stats_from_batch(
         red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=temperature,
                             chunk_rows=chunk_rows, impl=impl, validate=False, rollout_logits=batch.rollout_logits,
                             kept_mask=batch.kept_mask, **trunc)
+    if validate:  # one host sync, made only when validating (off on a trusted hot path)
+        v = batch.valid
+        checks = Checks()
+        what = "logits" if batch.hidden is None else "hidden"
+        checks.add(what, "a response row has no finite logit (all -inf, or NaN/inf values)",
+                   (~torch.isfinite(red["lse"]) & v).any())
+        if batch.rollout_logits is not None:
+            bad = ~(torch.isfinite(red["full_tv"]) & torch.isfinite(red["full_mu_k"]))
+            checks.add("rollout_logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
+                       (bad & v).any())
+        checks.run()
+    red = _sanitise_padding(red, batch.valid, batch.vocab_size)
     logp, lse = red["logp"], red["lse"]
-    # a host sync: made only when validating (off on a trusted hot path)
-    if validate and not torch.isfinite(lse[batch.valid]).all():
-        raise ValueError("logits: a response row has no finite logit (all -inf, or NaN/inf values)")
     logp_d = logp.detach()
     rlp = batch.rollout_logprob.to(lse.dtype)
     sum_p2 = red["sum_p2"]

@@ -95,6 +95,11 @@ def backward(h, W, sampled_ids, lse, g, *, temperature, chunk_cols, need_h=True,
     step = cols_per_chunk(N, V, chunk_cols)
     lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
     gc = g.to(cdt) * c  # (N,)
+    # rows without upstream gradient (padding) contribute exactly 0, even when their hidden
+    # states (hence logits) are NaN/inf: with h zeroed, G = -0 * p = 0 there (lse non-finite
+    # was set to +inf above, so p = 0)
+    live = (gc != 0)[:, None]
+    h = torch.where(live, h, torch.zeros_like(h))
     dh = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
     dW = torch.empty(W.shape, dtype=W.dtype, device=W.device) if need_W else None
     hc = h.to(cdt) if need_W else None

@@ -135,6 +135,8 @@ class SampledLogprob(torch.autograd.Function):
             p = torch.exp(logits[s:e].to(cdt) / T - lse[s:e, None])
             gz = p.mul_(-gc[:, None])
             gz.scatter_add_(1, ids[s:e, None], gc[:, None])
+            # a row without upstream gradient (padding) is 0 even if its logits are NaN/inf
+            gz = torch.where(gc[:, None] == 0, torch.zeros_like(gz), gz)
             grad[s:e] = gz.div_(T).to(grad.dtype)
         return grad, None, None, None, None
 

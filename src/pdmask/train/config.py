@@ -104,7 +104,8 @@ class TrainConfig:
     # ---------------------------------------------------------------- logging / checkpoints
     eval_every: int = _f(5, "held-out greedy accuracy every N steps (and at step 0 and the end)")
     checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = _f(1, "checkpoints kept on disk (older ones are deleted)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk (older ones are deleted); with 2 or more a corrupt newest "
+                                  "checkpoint falls back to the previous one on resume")
     tensorboard: bool = _f(True, "write TensorBoard event files next to metrics.jsonl")
     progress: bool = _f(True, "show a progress bar")
 
@@ -152,8 +153,32 @@ class TrainConfig:
         if not 0.0 <= self.sft_alt_format <= 1.0:
             raise ValueError(f"sft_alt_format: must lie in [0, 1], got {self.sft_alt_format}")
         for k in ("weight_decay", "grad_clip"):
-            if not getattr(self, k) >= 0:
-                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{k}: must be a finite number >= 0{' (0: no clipping)' if k == 'grad_clip' else ''}, "
+                                 f"got {v}")
+        if self.eps_low >= 1:
+            raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), got {self.eps_low}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size: must be >= 2 (GRPO advantages are relative to the group: with one sample "
+                             f"per prompt every advantage is 0 and nothing is learned), got {self.group_size}")
+        if not self.name.strip() and self.name:
+            raise ValueError(f"name: must not be blank, got {self.name!r}")
+        if self.name and (self.name in (".", "..") or "/" in self.name or "\\" in self.name):
+            raise ValueError(f"name: must be a plain directory name (no '/', not '.' or '..'), got {self.name!r}")
+        if not self.out_dir.strip():
+            raise ValueError("out_dir: must not be empty")
+        if not self.model_path:  # the built-in model and its BPE tokenizer
+            if self.use_chat_template:
+                raise ValueError("use_chat_template: the built-in tokenizer has no chat template; set model_path to "
+                                 "a checkpoint whose tokenizer has one, or use_chat_template=false")
+            if self.vocab_size < 300:
+                raise ValueError(f"vocab_size: must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}")
+            if self.top_k > self.vocab_size:
+                raise ValueError(f"top_k: must be <= vocab_size ({self.vocab_size}), got {self.top_k}")
+            if self.max_positions <= self.max_new_tokens:
+                raise ValueError(f"max_positions: must exceed max_new_tokens ({self.max_new_tokens}) to leave room for "
+                                 f"a prompt, got {self.max_positions}")
         for k in ("delta_low", "delta_high"):
             v = getattr(self, k)
             if v is not None and not v > 0:
@@ -301,9 +326,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         p = Path(path)
         if not p.exists():
             raise ValueError(f"config: file {str(path)!r} not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        if p.is_dir():
+            raise ValueError(f"config: {str(path)!r} is a directory, not a YAML file")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config: cannot read {str(path)!r} ({getattr(e, 'strerror', None) or e})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"config: {str(path)!r} is not valid YAML{at} ({problem})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config: {path} must hold a mapping of key: value")
+        if not all(isinstance(k, str) for k in data):
+            bad = next(k for k in data if not isinstance(k, str))
+            raise ValueError(f"config: {path}: key {bad!r} is not a name")
         for k in data:
             if k not in FIELDS:
                 raise _unknown(k, str(path))
