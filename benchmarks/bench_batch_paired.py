@@ -29,7 +29,7 @@ import math
 import sys
 from pathlib import Path
 
-from pdmask.significance import format_interval, format_p, mcnemar_exact, min_sign_flip_p
+from pdmask.significance import format_interval, format_p, mcnemar_exact, min_sign_flip_p, pooled_ratio
 from pdmask.train.logging import read_jsonl
 from pdmask.train.report import find_runs
 from pdmask.train.seed_summary import seed_summary
@@ -56,6 +56,23 @@ def mismatch_mean(run: Path) -> float | None:
     v = [r["mismatch_topk_kl"] for r in read_jsonl(run / "metrics.jsonl")
          if r.get("step", 0) > 0 and r.get("mismatch_topk_kl") is not None]
     return sum(v) / len(v) if v else None
+
+
+def direction_counts(run: Path) -> dict | None:
+    """Out-of-region tokens where the batch direction agrees with the ratio's / the per-token
+    predictive direction's, and where it calls the token outward, summed over the run's steps.
+    The trainer logs these fractions as the mean over a step's updates and num_out_of_region as
+    their sum, so fraction x count is exact when the updates hold equal |O| and a count-weighted
+    approximation otherwise. None for a run without them."""
+    keys = ("batch_agree_ratio_frac", "batch_agree_pdm_frac", "batch_outward_frac_out_of_region")
+    tot = {k: 0.0 for k in keys}
+    n = 0.0
+    for r in read_jsonl(run / "metrics.jsonl"):
+        if r.get("step", 0) > 0 and r.get("num_out_of_region") and all(r.get(k) is not None for k in keys):
+            n += r["num_out_of_region"]
+            for k in keys:
+                tot[k] += r[k] * r["num_out_of_region"]
+    return {"n": n, **tot} if n > 0 else None
 
 
 def _group(summary: dict, mode: str) -> dict:
@@ -108,6 +125,13 @@ def paired(run_dir: Path, mode: str, references: list[str], drop: float) -> dict
                           "masked_frac": vs["masked_frac"],
                           "collapse": {"only_mode": b, "only_reference": c, "p": mcnemar_exact(b, c)}}
         out["notes"] += [n for n in s["notes"] if n not in out["notes"]]
+    mine = [r for r in runs if r.name in {x["run"] for x in _group(s, mode)["runs"].values()}]
+    cnt = [c for c in map(direction_counts, mine) if c is not None]
+    if cnt:  # the batch direction vs the per-token ones on O, pooled over steps and seeds
+        den = [c["n"] for c in cnt]
+        out["direction_on_O"] = {"n_tokens": sum(den), "n_seeds": len(cnt), **{
+            k: pooled_ratio([c[k] for c in cnt], den).to_dict()
+            for k in ("batch_agree_ratio_frac", "batch_agree_pdm_frac", "batch_outward_frac_out_of_region")}}
     return out
 
 
@@ -143,6 +167,16 @@ def markdown(res: dict, label: str) -> str:
         c = v["collapse"]
         lines.append(f"| {ref} | {v['n']} | " + " | ".join(_d(v[k], f) for k, _, f in METRICS)
                      + f" | {c['only_mode']} / {c['only_reference']}, {format_p(c['p'])} |")
+    if res.get("direction_on_O"):
+        d = res["direction_on_O"]
+
+        def pr(x):
+            return f"{x['estimate']:.1%} [{x['lo']:.1%}, {x['hi']:.1%}]"
+        lines += ["", f"On the out-of-region tokens of `{mode}`'s own runs ({d['n_tokens']:.0f} token-updates, "
+                      f"{d['n_seeds']} seeds; pooled over steps, 95% seed-cluster interval): the batch direction agrees "
+                      f"with the ratio's on {pr(d['batch_agree_ratio_frac'])}, with the per-token predictive "
+                      f"direction's on {pr(d['batch_agree_pdm_frac'])}, and calls "
+                      f"{pr(d['batch_outward_frac_out_of_region'])} of them outward (masked)."]
     ns = sorted({v["n"] for v in res["vs"].values()})
     lines += ["", "; ".join(f"with {n} paired seeds the smallest attainable sign-flip p is {min_sign_flip_p(n):.3g}"
                             for n in ns) + ". p-values are per comparison, not corrected for the number of "
