@@ -40,7 +40,7 @@ def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergen
     batch = make_batch(m, seed=1, temperature=temperature)
     delta = 0.05 if divergence == "topk_kl" else 0.12
     out = batch_mask(m, **batch, divergence=divergence, delta_low=delta, delta_high=delta, temperature=temperature,
-                     optimizer=opt)
+                     optimizer=opt, all_tokens=True)
     O, w, A, _ = region_and_weights(m, batch, divergence=divergence, delta=delta, temperature=temperature)
     assert torch.equal(out.out_of_region, O) and 0 < O.sum() < batch["response_mask"].sum()
     names, params = zip(*m.named_parameters())
@@ -69,7 +69,7 @@ def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergen
 def test_both_methods_equal_an_explicit_per_token_gradient_loop(method, tied):
     m = TinyLM(seed=2, tied=tied)
     batch = make_batch(m, seed=2)
-    out = batch_mask(m, **batch, method=method)
+    out = batch_mask(m, **batch, method=method, all_tokens=True)
     assert out.method == method
     ref, O, w, A = per_token_oracle(m, batch, list(m.parameters()))
     assert torch.equal(out.out_of_region, O) and O.any()
@@ -84,9 +84,9 @@ def test_transformers_model_jvp_double_backward_and_loop_agree(arch):
     to float32 rounding; both methods differentiate exactly the same function."""
     m = tiny_llama(arch=arch, tied=True)
     batch = make_batch(m, seed=3)
-    a = batch_mask(m, **batch, method="jvp")
-    b = batch_mask(m, **batch, method="double-backward")
-    auto = BatchMask(m)
+    a = batch_mask(m, **batch, method="jvp", all_tokens=True)
+    b = batch_mask(m, **batch, method="double-backward", all_tokens=True)
+    auto = BatchMask(m, all_tokens=True)
     c = auto(**batch)
     assert auto.method == "jvp"  # the math SDPA backend has forward-mode derivatives
     ref, O, _, _ = per_token_oracle(m, batch, list(m.parameters()))
@@ -122,8 +122,8 @@ def test_auto_falls_back_to_double_backward_when_an_op_has_no_forward_mode_deriv
     m = _LMWithCustomOp(seed=4)
     batch = make_batch(m, seed=4)
     with pytest.raises(NotImplementedError, match="jvp"):
-        batch_mask(m, **batch, method="jvp")
-    bm = BatchMask(m)
+        batch_mask(m, **batch, method="jvp", all_tokens=True)
+    bm = BatchMask(m, all_tokens=True)
     out = bm(**batch)
     assert out.method == "double-backward" and bm.method == "double-backward"
     ref, O, _, _ = per_token_oracle(m, batch, list(m.parameters()))
@@ -184,8 +184,8 @@ def test_float32_model_gives_finite_results_close_to_float64():
     m64 = TinyLM(seed=8)
     m32 = TinyLM(seed=8, dtype=torch.float32)
     batch = make_batch(m64, seed=8)
-    a = batch_mask(m64, **batch)
-    b = batch_mask(m32, **batch)
+    a = batch_mask(m64, **batch, all_tokens=True)
+    b = batch_mask(m32, **batch, all_tokens=True)
     assert b.ddot.dtype == torch.float32 and torch.isfinite(b.ddot).all()
     torch.testing.assert_close(b.ddot.double(), a.ddot, atol=1e-3 * a.ddot.abs().max().item(), rtol=1e-3)
     assert a.ddot.dtype == F64

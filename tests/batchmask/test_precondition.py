@@ -103,7 +103,7 @@ def test_c_of_a_single_token_batch_predicts_phi_after_the_real_adamw_step():
     b, t = 2, 1
     batch["response_mask"] = torch.zeros_like(batch["response_mask"])
     batch["response_mask"][b, t] = True  # a single-token batch
-    out = batch_mask(m, **batch, optimizer=opt, delta_low=1e-6, delta_high=1e-6)
+    out = batch_mask(m, **batch, optimizer=opt, delta_low=1e-6, delta_high=1e-6, all_tokens=True)
     assert out.out_of_region.sum() == 1 and out.out_of_region[b, t]
     g = _token_loss_grad(m, batch, b, t)
     T = batch["response_mask"].shape[1]

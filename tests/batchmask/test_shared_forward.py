@@ -47,3 +47,30 @@ def test_shared_forward_gives_the_same_mask_and_the_ordinary_gradient(method, ti
     for (n, p), q in zip(m.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-13, msg=n)
     assert sum(p.grad.abs().sum() for p in m.parameters()) > 0
+
+
+@pytest.mark.parametrize("params,share", [("all", False), (1, True)])
+def test_region_scope_differentiates_only_the_sequences_holding_O(params, share):
+    """Only tokens of O can be masked (scope="region"), so by default only the sequences
+    that hold one are differentiated: same mask, same ddot there, 0 elsewhere."""
+    m = TinyLM(seed=4, tied=True)
+    batch = make_batch(m, B=5, seed=4)
+    batch["advantages"] = torch.tensor([1.3, 0.0, 0.0, -1.1, 0.0], dtype=torch.float64)  # A = 0: never in O
+    full = BatchMask(m, params=params, all_tokens=True)(**batch)
+    out = BatchMask(m, params=params)(**batch, share_forward=share)
+    rows = full.out_of_region.any(1)
+    assert rows.tolist() == [True, False, False, True, False]
+    assert int(out.metrics["num_direction_rows"]) == 2 and int(full.metrics["num_direction_rows"]) == 5
+    assert torch.equal(out.mask, full.mask) and (~out.mask).any()
+    torch.testing.assert_close(out.ddot[rows], full.ddot[rows], rtol=1e-10, atol=1e-12)
+    assert (out.ddot[~rows] == 0).all() and (full.ddot[~rows] != 0).any()
+    assert out.metrics["direction_norm"].item() == pytest.approx(full.metrics["direction_norm"].item(), rel=1e-10)
+    # all sequences hold O: the whole batch on the first forward (the cheaper route)
+    batch["advantages"] = torch.tensor([1.3, -0.8, 0.6, -1.1, 0.9], dtype=torch.float64)
+    out = BatchMask(m, params=params)(**batch)
+    if bool(out.out_of_region.any(1).all()):
+        assert int(out.metrics["num_direction_rows"]) == 5
+    # no token of O at all: nothing to differentiate, nothing masked
+    batch["advantages"] = torch.zeros(5, dtype=torch.float64)
+    out = BatchMask(m, params=params)(**batch)
+    assert out.mask.all() and (out.ddot == 0).all() and int(out.metrics["num_direction_rows"]) == 0

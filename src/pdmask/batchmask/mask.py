@@ -36,7 +36,7 @@ from ..ops import chunk_rows_for
 from ..stats import token_stats
 from . import directional as dirl
 from . import precondition as pre
-from .params import select_params
+from .params import decoder_parts, select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
 from .top import TopCapture, jvp_top_logprob
 
@@ -117,13 +117,19 @@ class BatchMask:
         temperature: ``pi = softmax(logits / temperature)``.
         is_cap: IS cap C in ``w = min(r, C)`` (only scales c_t).
         chunk_size: rows per chunk of the vocabulary reductions.
+        all_tokens: compute ``ddot`` (and ``c``) on every response token. By default, with
+            ``scope="region"``, only the sequences holding an out-of-region token are
+            differentiated when that is cheaper (:meth:`_rows`): the mask is the same,
+            ``ddot`` and ``c`` are 0 on the other sequences (never used by the mask).
     """
 
     def __init__(self, model, *, params="all", optimizer=None, divergence: str = "topk_kl",
                  estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
                  scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, all_tokens: bool = False):
         check_choice("divergence", divergence, PHI_DIVERGENCES)
+        if not isinstance(all_tokens, bool):
+            raise ValueError(f"all_tokens: must be True or False, got {all_tokens!r}")
         check_choice("estimator", estimator, ESTIMATORS)
         check_choice("scope", scope, SCOPES)
         check_choice("method", method, METHODS)
@@ -137,6 +143,12 @@ class BatchMask:
         th = resolve_thresholds(get_mode(self.mode), delta_low, delta_high, 0.2, 0.2)
         self.thresholds, self.delta_low, self.delta_high = th, th.delta_low, th.delta_high
         self.temperature, self.is_cap, self.chunk_size = float(temperature), is_cap, chunk_size
+        self.all_tokens = all_tokens
+        # the subset's share of the model's depth, for the cost rule of _rows
+        self.depth_share = 1.0
+        if self.subset.top is not None:
+            blocks, _, _ = decoder_parts(model)
+            self.depth_share = len(self.subset.top.blocks) / len(blocks)
 
     # ------------------------------------------------------------------ public
     def __call__(self, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
@@ -199,34 +211,78 @@ class BatchMask:
             adv = torch.where(valid, adv, torch.zeros_like(adv))
             out = divergence_region(self.divergence)(st, adv, self.thresholds) & valid  # (B, T) O
             weight = out.to(st[self.divergence].dtype)
-            b = prepare(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, rmask, validate=False)
             phi_value = (st[self.divergence] * weight).sum()
-            phi = out_of_region_divergence(
-                logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
-                b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
-                chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
-            grads = torch.autograd.grad(phi, leaves, retain_graph=share or method == "double-backward",
-                                        allow_unused=True)
-            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
-            v = pre.precondition_(self.optimizer, sub.params, [ns[0] for ns in sub.names], grads)
-            del grads
-            if method == "jvp":
-                primals = [x.detach() for x in leaves]
-                ddot = None
-                if capture is not None and capture.complete:
-                    ref = dirl.sampled_logprob(logits.detach(), ids, Tmp)
-                    ddot = jvp_top_logprob(sub, capture, primals, v, ids, Tmp, ref, valid)
-                    method = "jvp" if ddot is None else "jvp-top"
-                if not share:
-                    del logits
-                if ddot is None:
-                    ddot = dirl.jvp_logprob(self.model, sub, primals, v, input_ids, attention_mask, ids, Tmp)
+            rows = self._rows(out)
+            batch = (rollout_logprob, topk_ids, topk_lp, rmask)
+            if rows is None:  # every sequence, on the forward above
+                v, ddot, method = self._direction(method, leaves, logits, capture, input_ids, attention_mask, ids,
+                                                  batch, weight, phi_value, valid, retain=share)
             else:
-                ddot = dirl.double_backward_logprob(dirl.sampled_logprob(logits, ids, Tmp), leaves, v)
+                ddot = torch.zeros_like(adv)
+                v = [torch.zeros_like(x) for x in leaves]
+                if rows.numel():  # the sequences holding O, on their own forward
+                    own = [x.detach().requires_grad_() for x in sub.leaves()]
+                    cap = TopCapture(sub.top.blocks) if method == "jvp" and sub.top is not None else None
+                    try:
+                        lg = dirl.response_logits(self.model, sub.tensors(own), input_ids[rows],
+                                                  attention_mask[rows], T)  # (R, T, V)
+                    finally:
+                        if cap is not None:
+                            cap.remove()
+                    v, d, method = self._direction(method, own, lg, cap, input_ids[rows], attention_mask[rows],
+                                                   ids[rows], tuple(x[rows] for x in batch), weight[rows],
+                                                   phi_value, valid[rows], retain=False)
+                    ddot[rows] = d.to(ddot.dtype)
+                    del lg
         ddot = torch.where(valid, ddot.to(adv.dtype), torch.zeros_like(adv))
         res = self._decide(st, adv, out, ddot, phi_value, v, method)
+        res.metrics["num_direction_rows"] = torch.tensor(out.shape[0] if rows is None else rows.numel(),
+                                                         device=valid.device)
         res.logits = logits if share else None
         return res
+
+    def _rows(self, out: torch.Tensor) -> torch.Tensor | None:
+        """The sequences whose ``ddot`` the mask needs, or None for all of them on the first forward.
+
+        With ``scope="region"`` only tokens of O can be masked, and Phi involves only the
+        sequences holding them, so the direction can be computed on those R of the B
+        sequences, on their own forward. In model passes (depth share ``r`` of the subset:
+        1 for all parameters, N / L for the last N blocks) that costs ``R/B (1 + 5r)``
+        against ``5r`` for the backward of Phi and the forward-mode pass over the whole
+        batch on the shared forward; the cheaper one is taken (a host sync per call)."""
+        if self.scope != "region" or self.all_tokens:
+            return None
+        need = out.any(1)  # (B,)
+        R, B = int(need.sum()), need.numel()
+        r = self.depth_share
+        if R and R / B * (1 + 5 * r) >= 5 * r:
+            return None
+        return need.nonzero().squeeze(1)
+
+    def _direction(self, method, leaves, logits, capture, input_ids, attention_mask, ids, batch, weight,
+                   phi_value, valid, *, retain: bool):
+        """``v = P grad Phi`` and ``ddot = J v`` (R, T) from a forward's ``logits`` over ``leaves``."""
+        sub, Tmp = self.subset, self.temperature
+        rollout_logprob, topk_ids, topk_lp, rmask = batch
+        b = prepare(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, rmask, validate=False)
+        phi = out_of_region_divergence(
+            logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
+            b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
+            chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
+        grads = torch.autograd.grad(phi, leaves, retain_graph=retain or method == "double-backward",
+                                    allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+        v = pre.precondition_(self.optimizer, sub.params, [ns[0] for ns in sub.names], grads)
+        del grads
+        if method != "jvp":
+            return v, dirl.double_backward_logprob(dirl.sampled_logprob(logits, ids, Tmp), leaves, v), method
+        primals = [x.detach() for x in leaves]
+        if capture is not None and capture.complete:
+            ref = dirl.sampled_logprob(logits.detach(), ids, Tmp)
+            ddot = jvp_top_logprob(sub, capture, primals, v, ids, Tmp, ref, valid)
+            if ddot is not None:
+                return v, ddot, "jvp-top"
+        return v, dirl.jvp_logprob(self.model, sub, primals, v, input_ids, attention_mask, ids, Tmp), "jvp"
 
     def _decide(self, st, adv, out, ddot, phi_value, v, method) -> BatchMaskOutput:
         valid = st["valid"]
@@ -262,7 +318,7 @@ def batch_mask(model, input_ids, attention_mask, response_mask, rollout_logprob,
                rollout_topk_logprobs, advantages, *, params="all", optimizer=None, divergence: str = "topk_kl",
                estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
                scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
-               chunk_size: int | None = None, validate: bool = True) -> BatchMaskOutput:
+               chunk_size: int | None = None, validate: bool = True, all_tokens: bool = False) -> BatchMaskOutput:
     """The batch-aware predictive mask of one batch (:class:`BatchMask` for the settings).
 
     Args:
@@ -281,6 +337,6 @@ def batch_mask(model, input_ids, attention_mask, response_mask, rollout_logprob,
     """
     bm = BatchMask(model, params=params, optimizer=optimizer, divergence=divergence, estimator=estimator,
                    delta_low=delta_low, delta_high=delta_high, scope=scope, method=method,
-                   temperature=temperature, is_cap=is_cap, chunk_size=chunk_size)
+                   temperature=temperature, is_cap=is_cap, chunk_size=chunk_size, all_tokens=all_tokens)
     return bm(input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
               advantages, validate=validate)

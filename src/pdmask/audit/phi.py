@@ -1,0 +1,626 @@
+"""Judging the batch-aware mask by the audit (issue 14, item 4): what one masked batch step
+does to the out-of-region divergence ``Phi = sum_{s in O} D_s`` (O fixed at theta).
+
+Per seed, on the audit's rollout batch (:func:`pdmask.audit.source.build_source`, so the
+same batches as every other audit of the checkpoint) and from a warm optimizer state (a
+run directory's AdamW, or the state after ``--lag`` steps):
+
+1. **Scores.** For every token: ``ratio`` ``A log r``; ``pdm-exact`` ``A Ddot`` (the
+   per-token predictive direction, exact top-K estimator); ``pdm-batch`` ``c_t`` of
+   :class:`pdmask.batchmask.BatchMask` (``params="all"``, and ``pdm-batch-lastN`` for
+   each ``N`` asked for); ``random`` (a seeded random ranking, the reference). A score
+   > 0 means "outward".
+2. **Matched masked fraction.** For ``m = max(1, round(f |O|))`` and each ``f``, every
+   criterion masks its ``m`` highest-scoring tokens of O (:func:`top_m`); the step is
+   taken without them and ``dPhi = Phi(theta'_{-E}) - Phi(theta)`` is recorded. Each
+   criterion's own mask (every token of O it calls outward) is measured too, at its own
+   size. A lower ``dPhi`` is a mask that keeps the drifted tokens from drifting further.
+3. **Leave-one-out.** For a uniform sample of O (and of the active tokens outside O):
+   ``LOO_t = Phi(theta') - Phi(theta'_{-t})``, the part of the step's change of Phi that
+   masking t alone removes. A criterion's sign accuracy is the share of tokens with
+   ``score_t * LOO_t > 0`` (tokens with ``LOO_t = 0`` exactly are ties, left out and
+   counted). To first order ``LOO_t = a_t c_t`` (``a_t`` the aggregation weight of t).
+
+The step is the trainer's: the surrogate ``-min(r, C) A log pi`` of mode ``none`` on every
+unmasked token, aggregated by ``loss_agg`` with masked tokens still in the denominators
+(as :func:`pdmask.policy_loss` masks), gradient clipping, AdamW from the warm state with
+the trainer's lr / betas / weight decay. Everything runs in float64 on a copy of the
+policy whose RMSNorms compute in float64 too (:func:`copy64`): one token's share of a
+step over thousands moves Phi far below float32 rounding.
+
+Leave-one-out machinery (:class:`PhiStep`): the loss is linear in the per-token terms,
+``L = sum_s a_s l_s``, so the gradient without a set E is exactly ``G - g_E`` with
+``g_E = grad sum_{s in E} a_s l_s``: G is computed once, and each E costs a backward of
+E's rows, one optimizer step (replayed from the warm state) and a forward of O's rows.
+Naive equivalent (what the tests compare with): two full steps, the second with
+``A_s = 0`` for s in E.
+
+Run it (resumable: one JSON per finished seed under ``OUT/seeds/``)::
+
+    python -m pdmask.audit.phi --model runs/phi-src/dppo-topk-kl-s0 --seeds 8 --out runs/audit-phi
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..batchmask import BatchMask
+from ..engine.hf import response_logits
+from ..loss import aggregate, broadcast_advantages, policy_loss
+from ..masks import divergence_region, get_mode, resolve_thresholds
+from ..stats import token_stats
+
+F64 = torch.float64
+#: the criteria every seed measures (plus ``pdm-batch-lastN`` per ``batch_lasts``)
+BASE_CRITERIA = ("random", "ratio", "pdm-exact", "pdm-batch")
+
+
+@dataclass
+class PhiSettings:
+    """The evaluation's own settings (the step's are the trainer config's).
+
+    Attributes:
+        divergence: ``topk_kl`` or ``topk_tv``: O, Phi and the batch direction's divergence.
+        delta_low, delta_high: thresholds of O (``D > delta`` by the sign of A).
+        fractions: masked fractions of |O| for the matched comparison.
+        loo_tokens: tokens of O per seed for the leave-one-out (uniform sample).
+        loo_outside: active tokens outside O per seed for the leave-one-out.
+        batch_lasts: also score with ``params=N`` for each N (the last-blocks variant).
+        bootstrap, bootstrap_seed: seed-cluster bootstrap of the summary.
+    """
+
+    divergence: str = "topk_kl"
+    delta_low: float = 0.05
+    delta_high: float = 0.05
+    fractions: tuple = (0.1, 0.25, 0.5)
+    loo_tokens: int = 48
+    loo_outside: int = 16
+    batch_lasts: tuple = (1,)
+    bootstrap: int = 10_000
+    bootstrap_seed: int = 0
+
+    def validate(self) -> "PhiSettings":
+        if self.divergence not in ("topk_kl", "topk_tv"):
+            raise ValueError(f"divergence: unknown value {self.divergence!r}; valid values are: topk_kl, topk_tv")
+        for k in ("delta_low", "delta_high"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"{k}: must be > 0, got {getattr(self, k)}")
+        if not self.fractions or not all(0 < f <= 1 for f in self.fractions):
+            raise ValueError(f"fractions: each must lie in (0, 1], got {list(self.fractions)}")
+        for k in ("loo_tokens", "loo_outside"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+        if not all(isinstance(n, int) and n >= 1 for n in self.batch_lasts):
+            raise ValueError(f"batch_lasts: each must be an int >= 1, got {list(self.batch_lasts)}")
+        return self
+
+    @property
+    def criteria(self) -> tuple:
+        return BASE_CRITERIA + tuple(f"pdm-batch-last{n}" for n in self.batch_lasts)
+
+
+# ------------------------------------------------------------------ pieces
+def _rms_norm_f64(self, hidden_states):
+    var = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon))
+
+
+def copy64(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``model`` that really computes in float64: transformers' RMSNorm
+    (Llama, Qwen3, ...) casts to float32 and back, so its forward is replaced on the copy
+    by the same formula in the input's dtype. The caller's model is never touched."""
+    m = copy.deepcopy(model).to(F64)
+    for mod in m.modules():
+        if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon") and hasattr(mod, "weight"):
+            mod.forward = types.MethodType(_rms_norm_f64, mod)
+    return m.eval()
+
+
+def top_m(score: torch.Tensor, region: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, T) bool: the ``m`` tokens of ``region`` with the highest ``score`` (ties: the
+    earlier position in row-major order first; all of the region when ``m >= |region|``)."""
+    if score.shape != region.shape:
+        raise ValueError(f"score: expected shape {tuple(region.shape)}, got {tuple(score.shape)}")
+    if m < 0:
+        raise ValueError(f"m: must be >= 0, got {m}")
+    idx = region.reshape(-1).nonzero().squeeze(1)
+    order = torch.argsort(-score.reshape(-1)[idx].double(), stable=True)
+    out = torch.zeros(region.numel(), dtype=torch.bool)
+    out[idx[order[:m]]] = True
+    return out.reshape(region.shape)
+
+
+def _rows(rb, rows: torch.Tensor):
+    """The rollout batch restricted to ``rows`` (columns untouched, positions stay put)."""
+    from ..engine.base import RolloutBatch
+
+    return RolloutBatch(sequences=rb.sequences[rows], attention_mask=rb.attention_mask[rows],
+                        prompt_len=rb.prompt_len, response_mask=rb.response_mask[rows],
+                        sampled_logprob=rb.sampled_logprob[rows], topk_ids=rb.topk_ids[rows],
+                        topk_logprobs=rb.topk_logprobs[rows])
+
+
+class PhiStep:
+    """The trainer's batch step on a float64 copy of ``model``, replayable without any set
+    of tokens, and Phi after it (see the module doc).
+
+    Args:
+        model: the policy (copied; never modified).
+        rb: the rollout batch. advantages: (B,) or (B, T).
+        tcfg: the trainer config (lr, weight_decay, grad_clip, is_cap, loss_agg, temperature).
+        optimizer_state: the AdamW ``state_dict()`` every step starts from (copied per step).
+        divergence, delta_low, delta_high: O and Phi.
+    """
+
+    def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
+                 delta_low: float = 0.05, delta_high: float = 0.05):
+        from ..train.update import ADAMW_BETAS
+
+        self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
+        self.betas = ADAMW_BETAS
+        self.model = copy64(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.theta0 = [p.detach().clone() for p in self.params]
+        valid = rb.response_mask.bool()
+        A = broadcast_advantages(advantages, tuple(valid.shape)).to(F64)
+        self.A = torch.where(valid, A, torch.zeros_like(A))  # (B, T)
+        self.valid = valid
+        logits = self._forward(self.model, torch.arange(valid.shape[0]))  # (B, T, V) float64
+        self.stats = self._stats(logits.detach(), rb)
+        th = resolve_thresholds(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"), delta_low, delta_high, 0.2, 0.2)
+        self.O = divergence_region(divergence)(self.stats, self.A, th) & valid & (self.A != 0)  # (B, T)
+        self.rows_O = self.O.any(1).nonzero().squeeze(1)
+        self.phi0 = float((self.stats[divergence] * self.O).sum())
+        x = torch.zeros(valid.shape, dtype=F64, requires_grad=True)
+        (self.a,) = torch.autograd.grad(aggregate(x, valid, tcfg.loss_agg), x)  # (B, T) aggregation weights
+        per = self._token_loss(logits, rb, self.A)
+        self.G = self._grad((self.a * per).sum())
+        self._phi_full: float | None = None
+        self.chunk = 8  # leave-one-out: tokens of a row whose gradients are held at once
+
+    # -------------------------------------------------------------- internals
+    def _forward(self, model, rows):
+        sub = _rows(self.rb, rows)
+        return response_logits(model, sub.sequences, sub.attention_mask, sub.prompt_len)
+
+    def _stats(self, logits, rb):
+        return token_stats(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
+                           rb.topk_logprobs.to(F64), response_mask=rb.response_mask,
+                           temperature=self.tcfg.temperature)
+
+    def _token_loss(self, logits, rb, A):
+        return policy_loss(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
+                           rb.topk_logprobs.to(F64), A, rb.response_mask, mode="none", is_cap=self.tcfg.is_cap,
+                           loss_agg=self.tcfg.loss_agg, temperature=self.tcfg.temperature,
+                           validate=False).token_loss  # (R, T)
+
+    def _grad(self, scalar, retain: bool = False):
+        gs = torch.autograd.grad(scalar, self.params, allow_unused=True, retain_graph=retain)
+        return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, gs)]
+
+    def optimizer(self) -> torch.optim.AdamW:
+        """The trainer's AdamW over the copy, holding (a copy of) the warm state."""
+        t = self.tcfg
+        opt = torch.optim.AdamW(self.params, lr=t.lr, betas=self.betas, weight_decay=t.weight_decay)
+        if self.state is not None:
+            opt.load_state_dict(copy.deepcopy(self.state))  # moments cast to float64 by torch
+            for g in opt.param_groups:
+                g.update(lr=t.lr, betas=self.betas, weight_decay=t.weight_decay)
+        return opt
+
+    # -------------------------------------------------------------- public
+    def excluded_grad(self, exclude: torch.Tensor):
+        """``g_E = grad sum_{s in E} a_s l_s`` for a (B, T) bool ``exclude`` (None if empty)."""
+        if not bool(exclude.any()):
+            return None
+        rows = exclude.any(1).nonzero().squeeze(1)
+        per = self._token_loss(self._forward(self.model, rows), _rows(self.rb, rows), self.A[rows])
+        w = torch.where(exclude[rows], self.a[rows], torch.zeros_like(self.a[rows]))
+        return self._grad((w * per).sum())
+
+    @torch.no_grad()
+    def phi_after(self, g_excluded=None) -> float:
+        """Phi (O fixed) after the step from ``G - g_excluded`` (None: the full step); the
+        copy's weights are restored afterwards."""
+        if g_excluded is None and self._phi_full is not None:
+            return self._phi_full
+        opt = self.optimizer()
+        try:
+            for i, (p, p0) in enumerate(zip(self.params, self.theta0)):
+                p.copy_(p0)
+                p.grad = self.G[i].clone() if g_excluded is None else self.G[i] - g_excluded[i]
+            if self.tcfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
+            opt.step()
+            if self.rows_O.numel() == 0:
+                phi = 0.0
+            else:
+                sub = _rows(self.rb, self.rows_O)
+                D = self._stats(self._forward(self.model, self.rows_O), sub)[self.divergence]
+                phi = float((D * self.O[self.rows_O]).sum())
+        finally:
+            for p, p0 in zip(self.params, self.theta0):
+                p.copy_(p0)
+                p.grad = None
+        if g_excluded is None:
+            self._phi_full = phi
+        return phi
+
+    def loo(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 ``Phi(theta') - Phi(theta'_{-t})`` for each ``(b, t)`` row of ``tokens`` (n, 2)."""
+        out = torch.zeros(tokens.shape[0], dtype=F64)
+        if tokens.shape[0] == 0:
+            return out
+        full = self.phi_after(None)
+        for b in tokens[:, 0].unique().tolist():
+            idx = (tokens[:, 0] == b).nonzero().squeeze(1).tolist()
+            row = torch.tensor([b])
+            for s in range(0, len(idx), self.chunk):
+                part = idx[s:s + self.chunk]
+                per = self._token_loss(self._forward(self.model, row), _rows(self.rb, row), self.A[row])[0]  # (T,)
+                grads = [self._grad(self.a[b, int(tokens[i, 1])] * per[int(tokens[i, 1])], retain=j < len(part) - 1)
+                         for j, i in enumerate(part)]
+                del per
+                for i, g in zip(part, grads):
+                    out[i] = full - self.phi_after(g)
+        return out
+
+
+# ------------------------------------------------------------------ one seed
+def _sample(mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n (b, t) indices of the True entries of a (B, T) mask, uniformly, sorted."""
+    idx = mask.reshape(-1).nonzero().squeeze(1)
+    if idx.numel() > n:
+        idx = idx[torch.randperm(idx.numel(), generator=gen)[:n]].sort().values
+    T = mask.shape[1]
+    return torch.stack([idx // T, idx % T], 1)
+
+
+def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
+    """Every criterion's (B, T) float64 score on the seed's batch (> 0: outward)."""
+    from ..keys import ddot_key
+
+    st, A = ps.stats, ps.A
+    gen = torch.Generator().manual_seed(int(seed) * 7 + 3)
+    out = {"random": torch.rand(A.shape, generator=gen, dtype=F64), "ratio": A * st["log_ratio"],
+           "pdm-exact": A * st[ddot_key(settings.divergence, "exact")]}
+    rb = ps.rb
+    for name, params in [("pdm-batch", "all")] + [(f"pdm-batch-last{n}", n) for n in settings.batch_lasts]:
+        bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
+                       delta_low=settings.delta_low, delta_high=settings.delta_high, scope="region",
+                       temperature=ps.tcfg.temperature, is_cap=ps.tcfg.is_cap, all_tokens=True)
+        res = bm(rb.sequences, rb.attention_mask, rb.response_mask, rb.sampled_logprob.to(F64), rb.topk_ids,
+                 rb.topk_logprobs.to(F64), ps.A)
+        if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
+            raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")
+        out[name] = res.c.to(F64)
+    return out
+
+
+def evaluate_seed(model, rb, advantages, tcfg, optimizer_state, settings: PhiSettings, seed: int) -> dict:
+    """Everything measured on one seed (JSON-ready; see the module doc)."""
+    ps = PhiStep(model, rb, advantages, tcfg, optimizer_state, divergence=settings.divergence,
+                 delta_low=settings.delta_low, delta_high=settings.delta_high)
+    O, nO = ps.O, int(ps.O.sum())
+    rec = {"seed": int(seed), "n_tokens": int(ps.valid.sum()), "n_active": int((ps.valid & (ps.A != 0)).sum()),
+           "n_out_of_region": nO, "phi0": ps.phi0}
+    if nO == 0:
+        return rec | {"phi_full": ps.phi0, "sweep": {}, "own_mask": {}, "loo": {}}
+    sc = scores_of(ps, settings, seed)
+    rec["phi_full"] = ps.phi_after(None)
+    sweep = {}
+    for f in settings.fractions:
+        m = max(1, round(f * nO))
+        sweep[f"{f:g}"] = {"m": m, **{c: ps.phi_after(ps.excluded_grad(top_m(sc[c], O, m))) - ps.phi0
+                                      for c in settings.criteria}}
+    own = {}
+    for c in settings.criteria:
+        if c == "random":
+            continue
+        E = O & (sc[c] > 0)
+        own[c] = {"m": int(E.sum()), "dphi": ps.phi_after(ps.excluded_grad(E)) - ps.phi0}
+    gen = torch.Generator().manual_seed(int(seed) * 7 + 5)
+    toks = torch.cat([_sample(O, settings.loo_tokens, gen),
+                      _sample(ps.valid & (ps.A != 0) & ~O, settings.loo_outside, gen)])
+    loo = ps.loo(toks)
+    bt = (toks[:, 0], toks[:, 1])
+    rec.update(sweep=sweep, own_mask=own, loo={
+        "b": toks[:, 0].tolist(), "t": toks[:, 1].tolist(), "in_O": O[bt].tolist(), "loo": loo.tolist(),
+        "pred": (ps.a[bt] * sc["pdm-batch"][bt]).tolist(),
+        "scores": {c: sc[c][bt].tolist() for c in settings.criteria if c != "random"}})
+    return rec
+
+
+# ------------------------------------------------------------------ across seeds
+def sign_counts(rec: dict, criterion: str, in_O: bool) -> tuple[int, int, int]:
+    """``(correct, n, ties)`` of one seed: tokens of the LOO sample in O (or outside) with
+    ``score * LOO > 0``, tokens with ``LOO != 0``, tokens with ``LOO == 0``."""
+    lo = rec.get("loo") or {}
+    if not lo:
+        return 0, 0, 0
+    k = n = ties = 0
+    for s, l, o in zip(lo["scores"][criterion], lo["loo"], lo["in_O"]):
+        if o != in_O:
+            continue
+        if l == 0:
+            ties += 1
+            continue
+        n += 1
+        k += s * l > 0
+    return k, n, ties
+
+
+def summarize(records: list[dict], settings: PhiSettings) -> dict:
+    """Pooled sign accuracies (cluster bootstrap, exact binomial vs 1/2, McNemar between
+    criteria) and the matched-fraction dPhi per criterion (pooled per token of O, paired
+    per-seed differences with sign-flip tests)."""
+    from .. import significance as sig
+
+    nb, bs = settings.bootstrap, settings.bootstrap_seed
+    recs = [r for r in records if r["n_out_of_region"] > 0]
+    out: dict = {"n_seeds": len(records), "n_seeds_with_O": len(recs),
+                 "n_out_of_region": sum(r["n_out_of_region"] for r in records),
+                 "n_tokens": sum(r["n_tokens"] for r in records)}
+    crit = [c for c in settings.criteria if c != "random"]
+    if not recs:
+        return out | {"note": "no seed had an out-of-region token: nothing to judge"}
+    signs = {}
+    for where, in_O in (("O", True), ("outside", False)):
+        block = {}
+        for c in crit:
+            cnt = [sign_counts(r, c, in_O) for r in recs]
+            k, n, ties = (sum(x[i] for x in cnt) for i in range(3))
+            if n == 0:
+                continue
+            pr = sig.pooled_ratio([x[0] for x in cnt], [x[1] for x in cnt], n_boot=nb, seed=bs)
+            block[c] = {**pr.to_dict(), "correct": k, "n": n, "ties": ties,
+                        "p_binomial_half": sig.binomial_test(k, n, 0.5)}
+        for c in crit:
+            if c == "pdm-batch" or c not in block or "pdm-batch" not in block:
+                continue
+            b = cc = 0  # discordant: only pdm-batch right / only c right
+            for r in recs:
+                lo = r["loo"]
+                for sb, so, l, o in zip(lo["scores"]["pdm-batch"], lo["scores"][c], lo["loo"], lo["in_O"]):
+                    if o != in_O or l == 0:
+                        continue
+                    rb_, rc_ = sb * l > 0, so * l > 0
+                    b += rb_ and not rc_
+                    cc += rc_ and not rb_
+            block[f"pdm-batch vs {c}"] = {"only_batch_right": b, "only_other_right": cc,
+                                          "p_mcnemar": sig.mcnemar_exact(b, cc)}
+        signs[where] = block
+    out["sign_accuracy"] = signs
+    # first-order calibration: LOO / (a c) on the O sample
+    q = [l / p for r in recs for l, p, o in zip(r["loo"]["loo"], r["loo"]["pred"], r["loo"]["in_O"])
+         if o and p != 0] if recs else []
+    if q:
+        qs = sorted(q)
+        out["loo_over_first_order"] = {"median": qs[len(qs) // 2], "q25": qs[len(qs) // 4],
+                                       "q75": qs[(3 * len(qs)) // 4], "n": len(qs)}
+    sweep = {}
+    for f in settings.fractions:
+        key = f"{f:g}"
+        rows = [r for r in recs if key in r["sweep"]]
+        nO = [r["n_out_of_region"] for r in rows]
+        block = {"m_total": sum(r["sweep"][key]["m"] for r in rows), "n_out_of_region": sum(nO)}
+        for c in ["none"] + list(settings.criteria):
+            vals = [(r["phi_full"] - r["phi0"]) if c == "none" else r["sweep"][key][c] for r in rows]
+            block[c] = sig.pooled_ratio(vals, nO, n_boot=nb, seed=bs).to_dict()
+        for c in settings.criteria:
+            if c == "pdm-batch":
+                continue
+            x = [r["sweep"][key]["pdm-batch"] / r["n_out_of_region"] for r in rows]
+            y = [r["sweep"][key][c] / r["n_out_of_region"] for r in rows]
+            block[f"pdm-batch - {c}"] = sig.paired_difference(x, y, n_boot=nb, seed=bs).to_dict()
+        sweep[key] = block
+    out["matched_fraction"] = sweep
+    own = {}
+    for c in crit:
+        nO = [r["n_out_of_region"] for r in recs]
+        own[c] = {"masked": sum(r["own_mask"][c]["m"] for r in recs),
+                  "dphi_per_O_token": sig.pooled_ratio([r["own_mask"][c]["dphi"] for r in recs], nO,
+                                                       n_boot=nb, seed=bs).to_dict()}
+    out["own_mask"] = own
+    return out
+
+
+# ------------------------------------------------------------------ report
+def _fmt(pr: dict, spec: str = ".2e") -> str:
+    from ..significance import format_interval
+    return format_interval(pr["estimate"], pr["lo"], pr["hi"], spec=spec)
+
+
+def markdown(doc: dict) -> str:
+    """The report page (``phi.md``)."""
+    from ..significance import format_p
+
+    s, st = doc["summary"], doc["settings"]
+    lines = ["# Batch-aware mask: the audit of Phi (issue 14)", "",
+             f"Command: `{doc['run'].get('command', '')}`", "",
+             f"{s['n_seeds']} seeds ({s['n_seeds_with_O']} with out-of-region tokens), {s['n_tokens']:,} response "
+             f"tokens, {s['n_out_of_region']:,} out of region ({st['divergence']} > {st['delta_high']:g}). "
+             f"Source: {doc['run'].get('kind', '')} {doc['run'].get('run_dir', doc['run'].get('checkpoint', ''))}; "
+             f"optimizer state: {doc['run'].get('optimizer_state', '')}.", ""]
+    if "note" in s:
+        return "\n".join(lines + [s["note"]]) + "\n"
+    lines += ["## Sign accuracy against the leave-one-out effect on Phi", "",
+              "`score_t * LOO_t > 0`, LOO_t = Phi(step) - Phi(step without t); pooled over tokens, 95% seed-cluster "
+              "bootstrap interval, exact binomial test against 1/2; McNemar against pdm-batch on the same tokens.",
+              ""]
+    for where, title in (("O", "tokens of O (uniform sample)"), ("outside", "active tokens outside O")):
+        block = s["sign_accuracy"].get(where, {})
+        if not block:
+            continue
+        lines += [f"**{title}**", "", "| criterion | accuracy [95% CI] | correct / n (ties) | p vs 1/2 | "
+                  "McNemar vs pdm-batch |", "|---|---|---|---|---|"]
+        for c, v in block.items():
+            if " vs " in c:
+                continue
+            mc = block.get(f"pdm-batch vs {c}")
+            mcs = (f"{mc['only_batch_right']} / {mc['only_other_right']}, {format_p(mc['p_mcnemar'])}" if mc else "")
+            lines.append(f"| {c} | {_fmt(v, '.3f')} | {v['correct']} / {v['n']} ({v['ties']}) | "
+                         f"{format_p(v['p_binomial_half'])} | {mcs} |")
+        lines.append("")
+    if "loo_over_first_order" in s:
+        q = s["loo_over_first_order"]
+        lines += [f"LOO / (a_t c_t) on O: median {q['median']:.3g} (quartiles {q['q25']:.3g}, {q['q75']:.3g}; "
+                  f"n = {q['n']}); 1 would be the first-order prediction exactly.", ""]
+    lines += ["## Realized change of Phi at matched masked fraction", "",
+              "dPhi = Phi(step without the masked set) - Phi(theta), per token of O, pooled (sum dPhi / sum |O|) "
+              "with 95% seed-cluster bootstrap intervals; the top-m tokens of O by each criterion are masked. "
+              "Lower is better (the drifted tokens drift less).", ""]
+    crits = ["none"] + list(st["criteria"])
+    lines += ["| f (m masked) | " + " | ".join(crits) + " |", "|---" * (len(crits) + 1) + "|"]
+    for f, b in s["matched_fraction"].items():
+        lines.append(f"| {f} ({b['m_total']}) | " + " | ".join(_fmt(b[c]) for c in crits) + " |")
+    lines += ["", "Paired per-seed differences pdm-batch - X of dPhi per O token (mean [95% CI], sign-flip p, "
+              "seeds where pdm-batch is lower):", ""]
+    for f, b in s["matched_fraction"].items():
+        parts = [f"{k.split(' - ')[1]}: {_fmt(v)}, {format_p(v['p'])}, {v['losses']}/{v['n']}"
+                 for k, v in b.items() if k.startswith("pdm-batch - ")]
+        lines.append(f"- f = {f}: " + "; ".join(parts))
+    lines += ["", "## Each criterion's own mask (every token of O it calls outward)", "",
+              "| criterion | masked tokens | dPhi per O token |", "|---|---|---|"]
+    for c, v in s["own_mask"].items():
+        lines.append(f"| {c} | {v['masked']} | {_fmt(v['dphi_per_O_token'])} |")
+    lines.append(f"| none | 0 | {_fmt(next(iter(s['matched_fraction'].values()))['none'])} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ running
+@dataclass
+class PhiRun:
+    """Where the per-seed results go; a rerun with the same settings skips finished seeds."""
+
+    out: Path
+    settings: dict = field(default_factory=dict)
+
+    def open(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "seeds").mkdir(exist_ok=True)
+        p = self.out / "settings.json"
+        if p.exists():
+            old = json.loads(p.read_text())
+            if old != self.settings:
+                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+                raise ValueError(f"out: {str(self.out)!r} holds results of other settings ({', '.join(diff)}); "
+                                 "use another --out")
+        else:
+            p.write_text(json.dumps(self.settings, indent=1, default=str))
+
+    def done(self, seed: int) -> dict | None:
+        p = self.out / "seeds" / f"seed-{seed:05d}.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def save(self, rec: dict) -> None:
+        p = self.out / "seeds" / f"seed-{rec['seed']:05d}.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        tmp.replace(p)
+
+
+def run(tcfg, settings: PhiSettings, *, out, model: str = "", lag: int = 0, seeds: int = 8, seed_offset: int = 0,
+        command: str = "", console=None) -> dict:
+    """Evaluate ``seeds`` batches of the audit's source and write ``phi.json`` / ``phi.md``."""
+    from .source import build_source
+
+    settings.validate()
+    if seeds < 1:
+        raise ValueError(f"seeds: must be >= 1, got {seeds}")
+    run_ = PhiRun(Path(out), {"settings": asdict(settings), "model": model, "lag": lag,
+                              "trainer_config": tcfg.to_dict()})
+    run_.open()
+    src = build_source(tcfg, model=model, lag=lag, console=console)
+    if src.optimizer_state is None:
+        raise ValueError("model: the evaluation needs a warm optimizer state; pass a `pdmask train` run directory "
+                         "(--model RUN_DIR) or --lag N")
+    records = []
+    for i, s in enumerate(range(seed_offset, seed_offset + seeds)):
+        rec = run_.done(s)
+        if rec is None:
+            rb, adv, info = src.sample(s)
+            rec = evaluate_seed(src.model, rb, adv, tcfg, src.optimizer_state, settings, s) | {"info": info}
+            run_.save(rec)
+        records.append(rec)
+        if console is not None:
+            console.print(f"seed {s} ({i + 1}/{seeds}): |O| = {rec['n_out_of_region']}, "
+                          f"Phi {rec['phi0']:.4g} -> {rec.get('phi_full', rec['phi0']):.4g}")
+    doc = {"settings": {**asdict(settings), "criteria": list(settings.criteria)},
+           "run": {"command": command, **src.info,
+                   "optimizer_state": src.info.get("optimizer_state", f"after the {lag} lag steps")},
+           "summary": summarize(records, settings), "records": records}
+    Path(out, "phi.json").write_text(json.dumps(doc, indent=1, default=str))
+    Path(out, "phi.md").write_text(markdown(doc))
+    return doc
+
+
+def _floats(text: str, name: str) -> tuple:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma-separated list of numbers, got {text!r}") from None
+
+
+def main(argv=None) -> None:
+    """``python -m pdmask.audit.phi --help``."""
+    import shlex
+    import sys
+
+    import typer
+
+    def command(
+        out: Path = typer.Option(Path("audit-phi"), "--out", "-o", help="output directory (resumable)"),
+        model: str = typer.Option("", "--model", help="a `pdmask train` run directory (its AdamW state is the "
+                                                      "warm state), or a HF model directory with --lag"),
+        config: Path = typer.Option(None, "--config", help="trainer YAML (default: the run's config.yaml)"),
+        set_: list[str] = typer.Option([], "--set", help="trainer config override key=value (repeatable)"),
+        seeds: int = typer.Option(8, "--seeds", help="rollout batches"),
+        seed_offset: int = typer.Option(0, "--seed-offset", help="first seed"),
+        lag: int = typer.Option(0, "--lag", help="policy steps ahead of the engine before the evaluation"),
+        divergence: str = typer.Option("topk_kl", "--divergence", help="topk_kl or topk_tv"),
+        delta: float = typer.Option(None, "--delta", help="delta of O (default 0.05 KL, 0.15 TV)"),
+        fractions: str = typer.Option("0.1,0.25,0.5", "--fractions", help="masked fractions of |O|"),
+        loo_tokens: int = typer.Option(48, "--loo-tokens", help="leave-one-out tokens of O per seed"),
+        loo_outside: int = typer.Option(16, "--loo-outside", help="leave-one-out tokens outside O per seed"),
+        batch_lasts: str = typer.Option("1", "--batch-lasts", help="also score params=N for these N ('' none)"),
+        bootstrap: int = typer.Option(10_000, "--bootstrap", help="bootstrap resamples"),
+    ) -> None:
+        from rich.console import Console
+
+        from ..train.checkpoint import is_run_dir
+        from ..train.config import load_config
+
+        try:
+            cfg_path = config if config is not None else (
+                Path(model) / "config.yaml" if model and is_run_dir(model) else None)
+            tcfg = load_config(cfg_path, list(set_) + ["progress=false"])
+            d = (0.05 if divergence.endswith("kl") else 0.15) if delta is None else delta
+            settings = PhiSettings(divergence=divergence, delta_low=d, delta_high=d,
+                                   fractions=_floats(fractions, "fractions"), loo_tokens=loo_tokens,
+                                   loo_outside=loo_outside, batch_lasts=tuple(int(x) for x in
+                                                                              _floats(batch_lasts, "batch_lasts")),
+                                   bootstrap=bootstrap)
+            console = Console(stderr=True)
+            run(tcfg, settings, out=out, model=model, lag=lag, seeds=seeds, seed_offset=seed_offset,
+                command="python -m pdmask.audit.phi " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                console=console)
+            console.print(f"wrote {out / 'phi.md'}")
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+
+    app = typer.Typer(add_completion=False)
+    app.command(help="Judge the batch-aware mask by Phi: sign accuracy against leave-one-out, dPhi at matched "
+                     "masked fraction (issue 14).")(command)
+    app(argv, standalone_mode=True) if argv is not None else app()
+
+
+if __name__ == "__main__":
+    main()
