@@ -18,64 +18,19 @@ import numpy as np
 import pytest
 import torch
 
-from verl_helpers import actor_config, load_engine_fakes, needs_verl
-
-import pdmask
-
-vllm_sample = load_engine_fakes().vllm_sample
+from verl_helpers import actor_config, needs_verl
+from verl_rollout import TEMP, V, Rollout, build, reference
 
 pytestmark = needs_verl
 
-V, K, TEMP = 13, 4, 0.8
-PROMPT_LENS = [3, 2, 4]
-RESP_LENS = [5, 3, 6]
-P, T = max(PROMPT_LENS), max(RESP_LENS)
-
-
-class TinyLM(torch.nn.Module):
-    """logits[pos] = E[token at pos] + Pe[position]: the reference needs no verl code."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.E = torch.nn.Parameter(torch.randn(V, V, generator=g, dtype=torch.float64) * 2)
-        self.Pe = torch.nn.Parameter(torch.randn(P + T, V, generator=g, dtype=torch.float64))
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **_):
-        return SimpleNamespace(logits=self.E[input_ids] + self.Pe[position_ids])
-
 
 def _build(seed=0, *, mode_shift=1.5):
-    """Prompts, rollout (vLLM-format outputs from a perturbed policy), padded batch tensors."""
-    from pdmask.integrations.verl.rollout import completion_topk_fields
+    r = build(seed, mode_shift=mode_shift)
+    return r.model, r.prompts, r.responses, r.fields, r.adv
 
-    g = torch.Generator().manual_seed(seed)
-    model = TinyLM(seed)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    # the rollout policy mu: the model's logits plus noise, sampled autoregressively
-    responses, comps = [], []
-    for b in range(3):
-        seq = list(prompts[b])
-        for t in range(RESP_LENS[b]):
-            pos = len(seq) - 1
-            noise = torch.randn(V, generator=g, dtype=torch.float64) * mode_shift
-            z = (model.E[seq[pos]] + model.Pe[pos]).detach() + noise
-            outs, _ = vllm_sample(z[None, None].float(), [1], k=K, temperature=TEMP, seed=seed * 100 + b * 10 + t)
-            c = outs[0].outputs[0]
-            comps.append((b, t, c))
-            seq.append(c.token_ids[0])
-        responses.append(seq[len(prompts[b]):])
-    # per-sample arrays exactly as the replica would put them in extra_fields: merge the
-    # one-token completions of a sample into one CompletionOutput
-    fields = []
-    for b in range(3):
-        cs = [c for bb, _, c in comps if bb == b]
-        merged = SimpleNamespace(token_ids=[c.token_ids[0] for c in cs], logprobs=[c.logprobs[0] for c in cs])
-        fields.append(completion_topk_fields(merged, k=K, logprobs_mode="processed_logprobs",
-                                             sampling_params=SimpleNamespace(temperature=TEMP, top_p=1.0, top_k=0,
-                                                                             min_p=0.0)))
-    adv = torch.randn(3, generator=g, dtype=torch.float64)[:, None].expand(3, T).clone()
-    return model, prompts, responses, fields, adv
+
+def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
+    return reference(Rollout(model, prompts, responses, fields, adv), adv, mode, estimator, **kw)
 
 
 def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
@@ -85,6 +40,7 @@ def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
     from verl.workers.utils.padding import left_right_2_no_padding
 
     B = len(prompts)
+    P, T = max(map(len, prompts)), max(map(len, responses))
     pr = torch.zeros(B, P, dtype=torch.long)
     rs = torch.zeros(B, T, dtype=torch.long)
     am = torch.zeros(B, P + T, dtype=torch.long)
@@ -123,35 +79,6 @@ def _engine(monkeypatch, model):
     eng.module, eng._autocast_dtype = model, torch.float32
     eng.get_data_parallel_group = lambda: None
     return eng
-
-
-def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
-    """pdmask.policy_loss on logits computed directly from the tiny model (B, T, V)."""
-    B = len(prompts)
-    rows = []
-    for b in range(B):
-        seq = prompts[b] + responses[b]
-        idx = torch.arange(len(prompts[b]) - 1, len(seq) - 1)
-        z = model.E[torch.tensor(seq)[idx]] + model.Pe[idx]
-        rows.append(torch.nn.functional.pad(z, (0, 0, 0, T - len(idx))))
-    logits = torch.stack(rows)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    rlp = torch.zeros(B, T, dtype=torch.float32)
-    tk = torch.zeros(B, T, K, dtype=torch.long)
-    tl = torch.zeros(B, T, K, dtype=torch.float32)
-    for b, f in enumerate(fields):
-        n = len(responses[b])
-        mask[b, :n] = True
-        ids[b, :n] = torch.as_tensor(f["pdmask_sampled_ids"], dtype=torch.long)
-        rlp[b, :n] = torch.as_tensor(f["pdmask_sampled_logprobs"])
-        tk[b, :n] = torch.as_tensor(f["pdmask_topk_ids"], dtype=torch.long)
-        tl[b, :n] = torch.as_tensor(f["pdmask_topk_logprobs"])
-        assert ids[b, :n].tolist() == responses[b]
-    # verl scales the logits by the temperature held as a float32 tensor
-    t32 = float(torch.tensor(TEMP, dtype=torch.float32))
-    return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator, temperature=t32,
-                              delta_low=0.05, delta_high=0.07, is_cap=5.0, **kw)
 
 
 @pytest.mark.parametrize("use_remove_padding", [True, False])

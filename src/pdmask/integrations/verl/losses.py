@@ -63,6 +63,10 @@ TOPK_STAT_KEYS = (
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
                                                                              default=None)
+#: Set by the pdmask training engine around a training micro-batch that carries no rollout
+#: top-K, so that a top-K loss can say which half of the setup is missing.
+_ENGINE_WITHOUT_TOPK: contextvars.ContextVar[bool] = contextvars.ContextVar("pdmask_verl_engine_without_topk",
+                                                                            default=False)
 
 
 def loss_name(mode: str, estimator: str = "exact") -> str:
@@ -97,6 +101,17 @@ def rollout_stats(stats: dict[str, torch.Tensor]):
         _ROLLOUT_STATS.reset(token)
 
 
+@contextlib.contextmanager
+def engine_without_topk():
+    """Mark one ``ppo_loss`` call as coming from the pdmask engine on a micro-batch without the
+    rollout top-K (the error of a top-K loss then names the rollout, not the engine)."""
+    token = _ENGINE_WITHOUT_TOPK.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_WITHOUT_TOPK.reset(token)
+
+
 # ------------------------------------------------------------------ statistics
 def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
                  response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,6 +139,11 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
     """The statistics of the top-K modes: the actor hook's (B, T) tensors plus the ratio
     ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``."""
     st = _ROLLOUT_STATS.get()
+    if st is None and _ENGINE_WITHOUT_TOPK.get():
+        raise ValueError(
+            "actor_rollout_ref.rollout.name: the micro-batch carries no pdmask top-K arrays (pdmask_topk_ids, ...) "
+            "although the pdmask training engine runs; generate with actor_rollout_ref.rollout.name=pdmask_vllm "
+            "(see docs/verl.md)")
     if st is None:
         raise ValueError(
             "config: a pdmask top-K loss_mode needs the per-token statistics of the pdmask training engine; "
