@@ -120,10 +120,6 @@ def test_config_rejects(tmp_path, kw, match):
         H.config(tmp_path, **kw)
 
 
-def test_config_turns_off_trl_is_correction(tmp_path):
-    assert H.config(tmp_path).vllm_importance_sampling_correction is False
-
-
 def test_trainer_needs_pdmask_config(tmp_path):
     import trl
     from datasets import Dataset

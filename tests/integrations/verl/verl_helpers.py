@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-VERL_REASON = ("needs the 'verl' extra (pip install -e '.[verl]' from a checkout; verl 0.9.1 needs transformers<5.11, so "
-               "it lives in its own environment: bash .ci/verl.sh)")
+VERL_REASON = ("needs the 'verl' extra (pip install -e '.[verl]' from a checkout; verl 0.9.1 needs "
+               "transformers<5.11, so it lives in its own environment: bash .ci/verl.sh)")
 
 
 def _have_verl() -> bool:

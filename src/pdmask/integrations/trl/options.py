@@ -1,0 +1,225 @@
+"""What the pdmask trainer does with every TRL 1.16 ``GRPOConfig`` option that changes the objective.
+
+The pdmask trainer replaces TRL's policy loss with :func:`pdmask.policy_loss`, anchored on
+the rollout policy mu the generator reports. Each TRL option that shapes TRL's loss is
+therefore either **honoured** (it means the same here; :func:`loss_kwargs` maps it) or
+**refused** at config time: :func:`check` raises a one-line ``ValueError`` that starts
+with the option's name. This module is the one place that decides; :data:`OPTIONS` is the
+table (``docs/trl.md`` lists it), :data:`NEUTRAL` the TRL fields that do not touch the
+objective, and a test checks that every ``GRPOConfig`` field of TRL is in one of the two.
+
+Off-policy corrections beyond the mask's weight ``min(pi/mu, is_cap)`` (TRL's
+``vllm_importance_sampling_*``) are refused here; wiring new ones means changing their
+rows and :func:`loss_kwargs`.
+
+Imports TRL only to read its defaults (:func:`trl_default`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+from ... import MODES
+
+#: TRL ``loss_type`` values whose aggregation the trainer reproduces.
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+
+
+@cache
+def _trl_defaults() -> dict[str, Any]:
+    from trl import GRPOConfig
+
+    out = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def trl_default(name: str) -> Any:
+    """TRL's default value of a ``GRPOConfig`` field."""
+    return _trl_defaults()[name]
+
+
+def _changed(args, name: str) -> bool:
+    return getattr(args, name) != trl_default(name)
+
+
+def _grpo(args) -> bool:
+    return args.mask_mode == "grpo"
+
+
+#: pdmask's default IS cap (``PDMaskGRPOConfig.is_cap``).
+IS_CAP_DEFAULT = 5.0
+
+
+def _refuse_delta(a) -> str | None:
+    if a.delta is None:
+        return None
+    if not _grpo(a):
+        return "two-sided clipping applies to mask_mode='grpo' only; the dppo/pdm modes cap the IS weight with is_cap"
+    if a.is_cap not in (IS_CAP_DEFAULT, a.delta):
+        return f"and is_cap={a.is_cap} both set the grpo dual clip; set one of them"
+    eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    if not a.delta > 1 + eps_high:
+        return f"must be greater than 1 + epsilon_high = {1 + eps_high}, got {a.delta}"
+    return None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One TRL option: ``name``, ``treatment`` (``honoured`` / ``refused`` / ``refused unless ...``),
+    ``how`` (one line for the docs) and ``refuse(args) -> reason | None``."""
+
+    name: str
+    treatment: str
+    how: str
+    refuse: Callable[[Any], str | None] | None = None
+
+
+def _when(cond: Callable[[Any], bool], reason: str) -> Callable[[Any], str | None]:
+    return lambda a: reason if cond(a) else None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("loss_type", "honoured for dapo, bnpo, grpo, dr_grpo",
+           "aggregation of the per-token loss as TRL normalises it (token sum over the generation batch, "
+           "local token mean, per-sequence mean, sum / (B x max_completion_length))",
+           lambda a: None if a.loss_type in LOSS_TYPES else
+           f"{a.loss_type!r} is not supported with a trust-region mask; valid values are: {', '.join(LOSS_TYPES)}"),
+    Option("epsilon", "honoured in mask_mode='grpo', refused otherwise",
+           "grpo: the clip range [1 - epsilon, 1 + epsilon_high] of r = pi/mu",
+           _when(lambda a: not _grpo(a) and _changed(a, "epsilon"),
+                 "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
+                 "leave it at TRL's default or use mask_mode='grpo'")),
+    Option("epsilon_high", "honoured in mask_mode='grpo', refused otherwise", "grpo: the upper clip (clip-higher)",
+           _when(lambda a: not _grpo(a) and a.epsilon_high is not None,
+                 "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
+                 "leave it unset or use mask_mode='grpo'")),
+    Option("delta", "honoured in mask_mode='grpo', refused otherwise",
+           "grpo: TRL's two-sided clip caps the ratio of A < 0 tokens at delta -- the same objective as "
+           "pdmask's dual clip, so is_cap = delta", _refuse_delta),
+    Option("importance_sampling_level", "honoured for 'token', refused for 'sequence'",
+           "the mask, the ratio and the IS weight are per token",
+           _when(lambda a: a.importance_sampling_level != "token",
+                 "sequence-level ratios (GSPO) are not supported: the trust-region mask is per token; "
+                 "set importance_sampling_level='token'")),
+    Option("beta", "refused unless 0", "no KL-to-reference term",
+           _when(lambda a: a.beta != 0.0, "the KL-to-reference term is not supported; set beta=0.0")),
+    Option("entropy_coef", "refused unless 0", "no entropy bonus",
+           _when(lambda a: a.entropy_coef != 0.0, "the entropy bonus is not supported; set entropy_coef=0.0")),
+    Option("use_adaptive_entropy", "refused unless False", "no entropy bonus",
+           _when(lambda a: a.use_adaptive_entropy,
+                 "the entropy bonus is not supported; set use_adaptive_entropy=False")),
+    Option("off_policy_mask_threshold", "refused unless None", "the trust-region mask replaces TRL's sequence mask",
+           _when(lambda a: a.off_policy_mask_threshold is not None,
+                 "TRL's off-policy sequence mask is replaced by the trust-region mask; leave it None")),
+    Option("top_entropy_quantile", "refused unless 1.0", "every token is trained",
+           _when(lambda a: a.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask")),
+    Option("vllm_importance_sampling_correction", "refused with use_vllm=True (no-op without vLLM, as in TRL)",
+           "the mask's weight min(pi/mu, is_cap) is already the correction for the vLLM sampler mu",
+           _when(lambda a: a.use_vllm and a.vllm_importance_sampling_correction,
+                 "the trust-region loss already weights by min(pi/mu, is_cap) against the vLLM sampler mu; "
+                 "set vllm_importance_sampling_correction=False")),
+    *(Option(name, "refused unless TRL's default", "configures TRL's vLLM IS correction (refused above)",
+             _when(lambda a, n=name: _changed(a, n),
+                   "configures TRL's vLLM importance-sampling correction, which the trust-region loss replaces "
+                   "by min(pi/mu, is_cap); leave it at TRL's default"))
+      # _cap first: TRL copies the deprecated _cap into _clip_max, and the message should name what was set
+      for name in ("vllm_importance_sampling_cap", "vllm_importance_sampling_mode",
+                   "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")),
+    Option("vllm_structured_outputs_regex", "refused unless None",
+           "guided decoding changes the sampler's distribution; not verified with the captured log-probs",
+           _when(lambda a: a.vllm_structured_outputs_regex is not None,
+                 "structured outputs are not supported by the pdmask trainer (not verified that vLLM's reported "
+                 "log-probs include the grammar mask)")),
+    Option("use_liger_kernel", "refused unless False", "Liger's fused loss is not used",
+           _when(lambda a: bool(getattr(a, "use_liger_kernel", False)), "Liger's fused loss is not used")),
+    # _paged first: TRL turns the deprecated use_transformers_paged into continuous batching
+    Option("use_transformers_paged", "refused unless False", "as use_transformers_continuous_batching",
+           _when(lambda a: bool(a.use_transformers_paged),
+                 "paged generation reports no per-step scores; use generate() or vLLM")),
+    Option("use_transformers_continuous_batching", "refused unless False",
+           "continuous batching reports no per-step scores",
+           _when(lambda a: bool(a.use_transformers_continuous_batching),
+                 "continuous batching reports no per-step scores; use generate() or vLLM")),
+    Option("router_aux_loss_coef", "honoured", "MoE load-balancing loss added as TRL adds it (coef x aux / GA)"),
+    Option("num_iterations", "honoured", "updates per generation batch; the anchor stays mu (the mask acts)"),
+    Option("steps_per_generation", "honoured", "dapo normaliser, as in TRL"),
+    Option("generation_batch_size", "honoured", "dapo normaliser, as in TRL"),
+    Option("max_completion_length", "honoured", "dr_grpo normaliser, as in TRL"),
+    Option("temperature", "honoured", "pi = softmax(logits / T), the generator's T"),
+    Option("top_p", "honoured (warns)", "mu is the truncated, renormalised sampling distribution"),
+    Option("top_k", "honoured (warns)", "as top_p"),
+    Option("min_p", "honoured (warns)", "as top_p"),
+    Option("repetition_penalty", "honoured (warns)", "mu includes the penalty, pi does not"),
+    Option("generation_kwargs", "honoured", "part of the generation config the capture reads"),
+    Option("mask_truncated_completions", "honoured", "TRL zeroes their completion mask"),
+    Option("scale_rewards", "honoured", "TRL's advantages are used as they are"),
+    Option("reward_weights", "honoured", "as scale_rewards"),
+    Option("multi_objective_aggregation", "honoured", "as scale_rewards"),
+    Option("num_generations", "honoured", "as scale_rewards (group size)"),
+    Option("cast_lm_head_to_fp32", "honoured", "TRL casts the model's lm_head; the loss forward uses it"),
+    Option("disable_dropout", "honoured", "TRL changes the model; the loss forward uses it"),
+    Option("use_vllm", "honoured", "top-K from vLLM logprobs=K (colocate or server)"),
+    Option("vllm_mode", "honoured", "as use_vllm"),
+)
+
+#: TRL fields that do not change the objective (or only together with a refused option).
+NEUTRAL: dict[str, str] = {
+    **dict.fromkeys(("model_init_kwargs", "trust_remote_code", "ds3_gather_for_generation", "shuffle_dataset",
+                     "pad_to_multiple_of", "chat_template_kwargs", "cache_implementation", "num_generations_eval"),
+                    "model loading, data order, padding, evaluation"),
+    **dict.fromkeys(("vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+                     "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+                     "vllm_max_model_length", "vllm_tensor_parallel_size"), "where and how vLLM runs"),
+    **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), "used by loss_type='sapo' only (refused)"),
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    "used by loss_type='vespo' only (refused)"),
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "use_bias_correction_kl"),
+                    "used with beta != 0 only (refused)"),
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+                    "used with use_adaptive_entropy only (refused)"),
+    **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+                     "log_completions_hub_repo"), "logging"),
+    "max_tool_calling_iterations": "tools are refused by the trainer",
+    "transformers_continuous_batching_config": "continuous batching is refused",
+}
+
+
+def check(args) -> None:
+    """Refuse, with a one-line ``ValueError`` naming the option, every TRL option the trainer cannot honour."""
+    for opt in OPTIONS:
+        why = opt.refuse(args) if opt.refuse is not None else None
+        if why:
+            raise ValueError(f"{opt.name}: {why}")
+
+
+def check_mask_options(args) -> None:
+    """pdmask's own options that a mode would not use."""
+    mode = MODES[args.mask_mode]
+    if mode.surrogate == "ppo-clip":
+        for name in ("mask_delta_low", "mask_delta_high"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name}: not used by mask_mode={args.mask_mode!r} (its region is the ratio clip "
+                                 "epsilon / epsilon_high); leave it None")
+
+
+def loss_kwargs(args) -> dict[str, float]:
+    """The honoured TRL knobs as :func:`pdmask.policy_loss` arguments: the grpo clip range and the
+    IS cap / dual clip (``delta`` in grpo mode)."""
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    is_cap = float(args.delta) if (_grpo(args) and args.delta is not None) else float(args.is_cap)
+    if not (is_cap > 0 and not math.isnan(is_cap)):
+        raise ValueError(f"is_cap: must be a positive number (inf disables), got {is_cap!r}")
+    return {"eps_low": float(args.epsilon), "eps_high": float(eps_high), "is_cap": is_cap}
+
+
+__all__ = ["IS_CAP_DEFAULT", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "check", "check_mask_options", "loss_kwargs",
+           "trl_default"]
