@@ -2,7 +2,7 @@
 
 Runs as is on a CPU with a tiny model built in memory (no download):
 
-    pip install 'pdmask[trl]'
+    pip install -e ".[trl]"          # from a pdmask checkout (torch first on CPU)
     python examples/trl/train_grpo.py --mask-mode pdm-topk-kl --max-steps 4
 
 Two processes (CPU: gloo; GPUs: NCCL):

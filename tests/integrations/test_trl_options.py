@@ -212,3 +212,11 @@ def test_trl_entropy_and_clip_ratio_metrics_are_kept(tmp_path):
         assert h["clip_ratio/high_max"] == pytest.approx(float(seq_high[~seq_high.isnan()].max()), abs=1e-6)
     assert any(h["clip_ratio/region_mean"] > 0 for h in logs), "the mask never acted; the check is vacuous"
     assert all(math.isfinite(h["entropy"]) for h in logs)
+
+
+def test_docs_table_lists_every_option():
+    doc = (HERE.parents[1] / "docs" / "trl.md").read_text()
+    section = doc[doc.index("### TRL options that change the objective"):doc.index("### Metrics")]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    missing = [o.name for o in options.OPTIONS if not any(f"`{o.name}`" in r.split("|")[1] for r in rows)]
+    assert not missing, missing

@@ -99,7 +99,10 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
             raise ValueError(f"is_cap: must be a positive number (inf disables), got {self.is_cap!r}")
         options.check(self)
         options.check_mask_options(self)
-        if self.top_p < 1.0 or (self.top_k or 0) > 0 or self.min_p is not None or self.repetition_penalty != 1.0:
+        gk = self.generation_kwargs or {}
+        if (min(self.top_p, gk.get("top_p") or 1.0) < 1.0 or max(self.top_k or 0, gk.get("top_k") or 0) > 0
+                or self.min_p is not None or gk.get("min_p") is not None
+                or self.repetition_penalty != 1.0 or gk.get("repetition_penalty", 1.0) != 1.0):
             warnings.warn(
                 "top_p / top_k / min_p / repetition_penalty: mu (the distribution the generator samples from: "
                 "penalised, truncated and renormalised) differs from pi = softmax(logits / T) even with identical "
