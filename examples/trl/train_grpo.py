@@ -97,6 +97,9 @@ def main(argv=None):
         steps_per_generation=a.steps_per_generation, max_completion_length=a.max_completion_length,
         temperature=a.temperature, loss_type=a.loss_type, bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
         use_vllm=a.use_vllm, vllm_mode="colocate",
+        # the mask's weight min(pi/mu, is_cap) is the correction for the vLLM sampler; TRL's own
+        # (on by default) would apply a second one, so the pdmask config refuses it with vLLM
+        vllm_importance_sampling_correction=False,
         # the trust-region mask
         mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=a.mask_delta,
         mask_delta_high=a.mask_delta, rollout_top_k=k, is_cap=a.is_cap,
