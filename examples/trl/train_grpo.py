@@ -27,7 +27,7 @@ import argparse
 import torch
 from datasets import Dataset
 
-from pdmask.integrations.trl import GRPOConfig, GRPOTrainer
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, finish_and_exit
 
 WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + list("abcdefghijklmnop") + ["say", "count", "repeat", ":"]
 
@@ -114,10 +114,11 @@ def main(argv=None):
                 print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {reward} "
                       f"kept {h['pdmask/kept_frac']:.3f} out_of_region {h['pdmask/out_of_region_frac']:.3f} "
                       f"disagreement {h['pdmask/disagreement_frac']:.3f}")
-    if torch.distributed.is_initialized():  # a clean exit for gloo/NCCL under accelerate/torchrun
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    return trainer
 
 
 if __name__ == "__main__":
-    main()
+    # Under accelerate/torchrun: wait for every rank, destroy the process group and leave with
+    # os._exit -- the gloo process group's destructor can deadlock at interpreter exit (see
+    # pdmask.integrations.trl.shutdown). A single process just returns.
+    finish_and_exit(main())

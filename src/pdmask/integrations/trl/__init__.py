@@ -42,6 +42,7 @@ TRL_VERSION = _check_trl_version()
 
 from .capture import TopKRecorder  # noqa: E402
 from .config import PDMaskGRPOConfig  # noqa: E402
+from .shutdown import finish_and_exit  # noqa: E402
 from .trainer import PDMaskGRPOTrainer  # noqa: E402
 
 #: Drop-in names.
@@ -49,4 +50,4 @@ GRPOConfig = PDMaskGRPOConfig
 GRPOTrainer = PDMaskGRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "PDMaskGRPOConfig", "PDMaskGRPOTrainer", "SUPPORTED_TRL", "TRL_VERSION",
-           "TopKRecorder"]
+           "TopKRecorder", "finish_and_exit"]
