@@ -20,3 +20,22 @@ make_venv() {
   inst torch==2.13.0
   "$PY" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') and 'cu' not in v else f'wrong torch {v}')"
 }
+
+# pytest_no_skip LABEL PYTEST-ARGS...: run pytest with the venv's python; a skipped test
+# fails the step too -- in an extra's own environment a skip means the extra did not import,
+# and the step would otherwise pass vacuously.
+pytest_no_skip() {
+  local label=$1 log rc
+  shift
+  log=$(mktemp)
+  set +e
+  "$PY" -m pytest -rs -p no:cacheprovider "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" -eq 0 ] && grep -qE "[0-9]+ skipped" "$log"; then
+    echo "$label tests were skipped in the $label CI environment" >&2
+    rc=1
+  fi
+  rm -f "$log"
+  return "$rc"
+}

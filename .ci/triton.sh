@@ -9,17 +9,6 @@ make_venv "${PDMASK_TRITON_VENV:-$(mktemp -d)/venv}"
 inst -e ".[train,test,triton]"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 echo "triton env: $((SECONDS - t0)) s"
-# the kernel tests only (the rest of tests/ops ran in the main environment); a skip here
-# would mean triton did not import: fail instead of passing vacuously
-LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
-set +e
-"$PY" -m pytest tests/ops/test_ops_triton.py tests/ops/test_ops_triton_compile.py -rs -p no:cacheprovider 2>&1 | tee "$LOG"
-rc=${PIPESTATUS[0]}
-set -e
-[ "$rc" -eq 0 ] || exit "$rc"
-if grep -qE "[0-9]+ skipped" "$LOG"; then
-  echo "Triton tests were skipped in the triton CI environment" >&2
-  exit 1
-fi
+# the kernel tests only (the rest of tests/ops ran in the main environment)
+pytest_no_skip Triton tests/ops/test_ops_triton.py tests/ops/test_ops_triton_compile.py
 echo "triton CI total: $((SECONDS - t0)) s"
