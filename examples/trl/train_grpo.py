@@ -97,8 +97,9 @@ def main(argv=None):
         steps_per_generation=a.steps_per_generation, max_completion_length=a.max_completion_length,
         temperature=a.temperature, loss_type=a.loss_type, bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
         use_vllm=a.use_vllm, vllm_mode="colocate",
-        # the mask's weight min(pi/mu, is_cap) is the correction for the vLLM sampler; TRL's own
-        # (on by default) would apply a second one, so the pdmask config refuses it with vLLM
+        # the IS weight against the vLLM sampler mu: --is-cap's min(pi/mu, is_cap). Leaving TRL's
+        # correction on (its default) would use TRL's mode instead (sequence_mask, clip_max=3), and
+        # the config refuses is_cap next to it
         vllm_importance_sampling_correction=False,
         # the trust-region mask
         mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=a.mask_delta,

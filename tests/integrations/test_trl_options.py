@@ -42,7 +42,8 @@ REFUSED = [
     ({"mask_mode": "grpo", "delta": 1.1}, "delta"),                              # <= 1 + epsilon_high
     ({"epsilon": 0.3}, "epsilon"),                                               # pdm mode
     ({"epsilon_high": 0.28, "mask_mode": "dppo-binary-tv", "rollout_top_k": 0}, "epsilon_high"),
-    ({"use_vllm": True}, "vllm_importance_sampling_correction"),                # TRL's default True
+    ({"use_vllm": True, "mask_mode": "grpo"}, "vllm_importance_sampling_correction"),  # ratio is the weight
+    ({"use_vllm": True, "is_level": "sequence"}, "vllm_importance_sampling_correction"),  # two IS weights
     ({"vllm_importance_sampling_mode": "token_truncate"}, "vllm_importance_sampling_mode"),
     ({"vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max"),
     ({"vllm_importance_sampling_clip_min": 0.5}, "vllm_importance_sampling_clip_min"),
@@ -51,7 +52,14 @@ REFUSED = [
     ({"beta": 0.04}, "beta"),
     ({"entropy_coef": 0.01}, "entropy_coef"),
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
-    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+    ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold"),
+    ({"is_level": "word"}, "is_level"),
+    ({"is_floor": 6.0}, "is_floor"),                                             # >= is_cap
+    ({"is_mask": True, "is_level": None}, "is_mask"),
+    ({"mask_mode": "grpo", "is_batch_normalize": True}, "is_batch_normalize"),
+    ({"rejection": "seq_k9"}, "rejection"),
+    ({"rejection_threshold": "0.5"}, "rejection_threshold"),                    # without rules
+    ({"top_k": -3}, "top_k"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
     ({"loss_type": "cispo"}, "loss_type"),
     ({"loss_type": "sapo"}, "loss_type"),
@@ -88,6 +96,12 @@ def test_every_refusing_option_has_a_refusal_case():
     {"mask_mode": "grpo", "delta": 3.0, "is_cap": 3.0},
     {"importance_sampling_level": "token"},
     {"use_vllm": True, "vllm_importance_sampling_correction": False},
+    {"use_vllm": True},                                           # TRL's default correction, honoured
+    {"use_vllm": True, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
+    {"off_policy_mask_threshold": 0.5},
+    {"is_level": "sequence", "is_mask": True, "is_floor": 0.5, "is_cap": 2.0},
+    {"rejection": "seq_mean_k1,token_k3", "rejection_threshold": "0.5_2,0.1"},
+    {"top_p": 0.9, "top_k": 10},
     {"num_iterations": 2},
 ])
 def test_accepted(tmp_path, kw):
@@ -139,7 +153,9 @@ def test_trl_delta_is_the_grpo_dual_clip(tmp_path):
     r = (logp - old).exp()
     assert bool(((adv < 0) & (r > delta)).any()), "the sample must hit the dual clip"
     cfg = H.config(tmp_path, mask_mode="grpo", delta=delta, epsilon_high=eps_high)
-    assert options.loss_kwargs(cfg) == {"eps_low": eps_low, "eps_high": eps_high, "is_cap": delta}
+    kw = options.loss_kwargs(cfg)
+    assert {k: kw[k] for k in ("eps_low", "eps_high", "is_cap")} == {"eps_low": eps_low, "eps_high": eps_high,
+                                                                     "is_cap": delta}
 
 
 def test_grpo_with_trl_delta_trains_with_that_cap(tmp_path):

@@ -15,7 +15,7 @@ from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_e
 from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer  # noqa: E402
 
 import pdmask  # noqa: E402
-from pdmask.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, options  # noqa: E402
 
 
 def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
@@ -58,14 +58,18 @@ class Probe(GRPOTrainer):
             out = model(input_ids=ids, attention_mask=am, position_ids=pos, **extra)
             logits = out.logits[:, P - 1:-1].float()
             mask = inputs["completion_mask"].bool()
-            # TRL's two-sided clip `delta` is the grpo dual clip (see test_trl_options)
+            # TRL's two-sided clip `delta` is the grpo dual clip (see test_trl_options); the
+            # corrections and the truncation as mapped by options (their mapping: test_trl_corrections)
             cap = a.delta if (a.mask_mode == "grpo" and a.delta is not None) else a.is_cap
+            corr = {k: v for k, v in options.loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
+            if options.vllm_is_on(a):
+                cap = options.loss_kwargs(a)["is_cap"]
             ref = pdmask.policy_loss(
                 logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
                 inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
                 estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,
                 eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=cap,
-                temperature=a.temperature)
+                temperature=a.temperature, **corr, **options.sampling(a))
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
             if moe:  # TRL adds coef x aux / GA (grpo_trainer._compute_loss)
                 ga = self.current_gradient_accumulation_steps

@@ -29,7 +29,9 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
 
     TRL fields that keep their meaning: ``temperature`` (pi = softmax(logits / T), the
     same T the generator samples at), ``top_k`` / ``top_p`` / ``min_p`` (the captured mu
-    is the truncated, renormalised distribution), ``epsilon`` / ``epsilon_high`` / ``delta``
+    is the truncated, renormalised distribution; pi is renormalised over the same kept
+    set), ``vllm_importance_sampling_*`` and ``off_policy_mask_threshold`` (through
+    :mod:`pdmask.corrections`; pdmask's ``is_*`` / ``rejection*`` fields otherwise), ``epsilon`` / ``epsilon_high`` / ``delta``
     (the ``grpo`` mode's clip and dual clip), ``loss_type`` (aggregation: ``dapo`` = token
     mean over the global accumulated batch, ``bnpo`` = local token mean, ``grpo`` =
     per-sequence mean, ``dr_grpo`` = sum / (B * max_completion_length)).
@@ -64,6 +66,31 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
         default=IS_CAP_DEFAULT,
         metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes); the dual-clip constant in grpo "
                           "mode. inf disables it."})
+    is_level: str | None = field(
+        default="token",
+        metadata={"help": "IS weight of the dppo/pdm modes (pdmask.corrections): 'token' (min(pi/mu, is_cap), the "
+                          "default), 'sequence' (the product over the sequence), None (no weight). With use_vllm and "
+                          "vllm_importance_sampling_correction=True, TRL's vllm_importance_sampling_mode sets it "
+                          "instead."})
+    is_floor: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound of the IS weight (truncate, or mask with is_mask). None: no lower bound."})
+    is_mask: bool = field(
+        default=False,
+        metadata={"help": "Mask tokens (is_level='token': IcePop) or sequences whose weight lies outside "
+                          "[is_floor, is_cap] instead of truncating the weight (MIS)."})
+    is_batch_normalize: bool = field(
+        default=False,
+        metadata={"help": "Divide the IS weights by their mean over the micro-batch's response tokens (token level) "
+                          "or sequences (verl's rollout_is_batch_normalize)."})
+    rejection: str | None = field(
+        default=None,
+        metadata={"help": "Rejection rules, comma-separated (verl's rollout_rs names): token_k1..3, seq_sum_k1..3, "
+                          "seq_mean_k1..3 (seq_mean_k1 = Geo-RS), seq_max_k2/k3."})
+    rejection_threshold: str | None = field(
+        default=None,
+        metadata={"help": "One threshold per rule or one shared (verl's rollout_rs_threshold): a number, or "
+                          "'lo_hi' for the k1 rules."})
     mask_chunk_size: int | None = field(
         default=None,
         metadata={"help": "Rows per chunk of the vocabulary reductions (default: 16M elements per chunk)."})
@@ -97,15 +124,23 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                 raise ValueError(f"{name}: must be a positive finite number or None, got {v!r}")
         if not isinstance(self.is_cap, (int, float)) or not self.is_cap > 0:
             raise ValueError(f"is_cap: must be a positive number (inf disables), got {self.is_cap!r}")
+        if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
+            self.is_level = None  # from the command line
         options.check(self)
         options.check_mask_options(self)
+        options.check_corrections(self)
         gk = self.generation_kwargs or {}
-        if (min(self.top_p, gk.get("top_p") or 1.0) < 1.0 or max(self.top_k or 0, gk.get("top_k") or 0) > 0
-                or self.min_p is not None or gk.get("min_p") is not None
-                or self.repetition_penalty != 1.0 or gk.get("repetition_penalty", 1.0) != 1.0):
+        if self.repetition_penalty != 1.0 or gk.get("repetition_penalty", 1.0) != 1.0:
             warnings.warn(
-                "top_p / top_k / min_p / repetition_penalty: mu (the distribution the generator samples from: "
-                "penalised, truncated and renormalised) differs from pi = softmax(logits / T) even with identical "
-                "weights, so ratios and divergences include that gap and masks fire on-policy. RL recipes sample "
-                "with top_p=1, top_k=0, repetition_penalty=1.",
+                "repetition_penalty: mu (the distribution the generator samples from, penalised) differs from "
+                "pi = softmax(logits / T) even with identical weights, so ratios and divergences include that gap "
+                "and masks fire on-policy. RL recipes sample with repetition_penalty=1.",
+                UserWarning, stacklevel=3)
+        samp = options.sampling(self)
+        if not self.use_vllm and samp["sampling_min_p"] is not None and (
+                samp["sampling_top_k"] is not None or samp["sampling_top_p"] is not None):
+            warnings.warn(
+                "min_p: generate() applies min-p after top-k / top-p, the loss rebuilds the kept set in vLLM's order "
+                "(min-p first); where the two sets differ, pdmask/kept_set_sampled_outside_frac and "
+                "pdmask/kept_set_topk_mismatch_frac report it. Use min_p alone, or vLLM.",
                 UserWarning, stacklevel=3)

@@ -8,9 +8,11 @@ with the option's name. This module is the one place that decides; :data:`OPTION
 table (``docs/trl.md`` lists it), :data:`NEUTRAL` the TRL fields that do not touch the
 objective, and a test checks that every ``GRPOConfig`` field of TRL is in one of the two.
 
-Off-policy corrections beyond the mask's weight ``min(pi/mu, is_cap)`` (TRL's
-``vllm_importance_sampling_*``) are refused here; wiring new ones means changing their
-rows and :func:`loss_kwargs`.
+Off-policy corrections go through the core (:mod:`pdmask.corrections`): TRL's own
+``vllm_importance_sampling_*`` and ``off_policy_mask_threshold`` where they map exactly,
+pdmask's ``is_*`` / ``rejection*`` fields of the config otherwise (:func:`loss_kwargs`);
+TRL's ``top_k`` / ``top_p`` / ``min_p`` become the loss's truncated-sampling arguments
+(:func:`sampling`).
 
 Imports TRL only to read its defaults (:func:`trl_default`).
 """
@@ -87,6 +89,42 @@ def _when(cond: Callable[[Any], bool], reason: str) -> Callable[[Any], str | Non
     return lambda a: reason if cond(a) else None
 
 
+#: TRL's vllm_importance_sampling_mode -> (is_level, is_mask).
+VLLM_IS_MODES = {"token_truncate": ("token", False), "token_mask": ("token", True),
+                 "sequence_truncate": ("sequence", False), "sequence_mask": ("sequence", True)}
+#: pdmask's own IS-weight fields, which TRL's vLLM correction sets when it is on (with their defaults).
+IS_FIELDS = {"is_level": "token", "is_floor": None, "is_mask": False, "is_cap": IS_CAP_DEFAULT}
+
+
+def vllm_is_on(a) -> bool:
+    """TRL applies its vLLM IS correction (and so does the pdmask trainer, in its place)."""
+    return bool(a.use_vllm and a.vllm_importance_sampling_correction)
+
+
+def _refuse_vllm_is(a) -> str | None:
+    if not vllm_is_on(a):
+        return None
+    if _grpo(a):
+        return ("mask_mode='grpo' already weights by its ratio pi/mu against the vLLM sampler mu (a second weight "
+                "would count it twice); set vllm_importance_sampling_correction=False")
+    if a.vllm_importance_sampling_mode not in VLLM_IS_MODES:
+        return None  # TRL's own config refuses an unknown mode first
+    set_ = [n for n, d in IS_FIELDS.items() if getattr(a, n) != d]
+    if set_:
+        return (f"and {', '.join(set_)} both set the IS weight; set vllm_importance_sampling_correction=False to "
+                f"use pdmask's {', '.join(set_)}, or leave {'them' if len(set_) > 1 else 'it'} at the default")
+    return None
+
+
+def _refuse_unless_vllm_is(name: str) -> Callable[[Any], str | None]:
+    def refuse(a):
+        if vllm_is_on(a) or not _changed(a, name):
+            return None
+        return ("has no effect unless use_vllm=True and vllm_importance_sampling_correction=True (as in TRL); "
+                "leave it at TRL's default, or set pdmask's is_level / is_mask / is_floor / is_cap")
+    return refuse
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("loss_type", "honoured for dapo, bnpo, grpo, dr_grpo",
            "aggregation of the per-token loss as TRL normalises it (token sum over the generation batch, "
@@ -117,23 +155,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("use_adaptive_entropy", "refused unless False", "no entropy bonus",
            _when(lambda a: a.use_adaptive_entropy,
                  "the entropy bonus is not supported; set use_adaptive_entropy=False")),
-    Option("off_policy_mask_threshold", "refused unless None", "the trust-region mask replaces TRL's sequence mask",
-           _when(lambda a: a.off_policy_mask_threshold is not None,
-                 "TRL's off-policy sequence mask is replaced by the trust-region mask; leave it None")),
+    Option("off_policy_mask_threshold", "honoured",
+           "DeepSeek-V3.2's off-policy sequence mask after the trust-region mask "
+           "(pdmask.policy_loss(off_policy_mask_threshold=delta)), every mode"),
     Option("top_entropy_quantile", "refused unless 1.0", "every token is trained",
            _when(lambda a: a.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask")),
-    Option("vllm_importance_sampling_correction", "refused with use_vllm=True (no-op without vLLM, as in TRL)",
-           "the mask's weight min(pi/mu, is_cap) is already the correction for the vLLM sampler mu",
-           _when(lambda a: a.use_vllm and a.vllm_importance_sampling_correction,
-                 "the trust-region loss already weights by min(pi/mu, is_cap) against the vLLM sampler mu; "
-                 "set vllm_importance_sampling_correction=False")),
-    *(Option(name, "refused unless TRL's default", "configures TRL's vLLM IS correction (refused above)",
-             _when(lambda a, n=name: _changed(a, n),
-                   "configures TRL's vLLM importance-sampling correction, which the trust-region loss replaces "
-                   "by min(pi/mu, is_cap); leave it at TRL's default"))
-      # _cap first: TRL copies the deprecated _cap into _clip_max, and the message should name what was set
-      for name in ("vllm_importance_sampling_cap", "vllm_importance_sampling_mode",
-                   "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")),
+    Option("vllm_importance_sampling_correction",
+           "honoured with use_vllm=True in the dppo/pdm modes, refused with mask_mode='grpo' (a no-op without "
+           "vLLM, as in TRL)",
+           "TRL's mode and bounds choose the IS weight against the vLLM sampler mu in place of min(pi/mu, is_cap) "
+           "(is_level / is_mask / is_floor / is_cap, see vllm_importance_sampling_mode)", _refuse_vllm_is),
+    Option("vllm_importance_sampling_mode", "honoured with the correction on (see above), refused otherwise "
+           "unless TRL's default",
+           "token_truncate: is_level='token'; sequence_truncate: is_level='sequence'; token_mask / sequence_mask: "
+           "the same with is_mask=True (MIS; IcePop at token level)", _refuse_unless_vllm_is("vllm_importance_sampling_mode")),
+    # _cap: TRL copies the deprecated _cap into _clip_max; both are checked as _clip_max
+    *(Option(name, "honoured with the correction on (see above), refused otherwise unless TRL's default", how,
+             _refuse_unless_vllm_is(name))
+      for name, how in (("vllm_importance_sampling_cap", "deprecated TRL alias of vllm_importance_sampling_clip_max"),
+                        ("vllm_importance_sampling_clip_max", "is_cap (None: no upper bound)"),
+                        ("vllm_importance_sampling_clip_min", "is_floor (None or 0: no lower bound)"))),
     Option("vllm_structured_outputs_regex", "refused unless None",
            "guided decoding changes the sampler's distribution; not verified with the captured log-probs",
            _when(lambda a: a.vllm_structured_outputs_regex is not None,
@@ -155,9 +196,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("generation_batch_size", "honoured", "dapo normaliser, as in TRL"),
     Option("max_completion_length", "honoured", "dr_grpo normaliser, as in TRL"),
     Option("temperature", "honoured", "pi = softmax(logits / T), the generator's T"),
-    Option("top_p", "honoured (warns)", "mu is the truncated, renormalised sampling distribution"),
-    Option("top_k", "honoured (warns)", "as top_p"),
-    Option("min_p", "honoured (warns)", "as top_p"),
+    Option("top_p", "honoured",
+           "truncated sampling: mu is renormalised over the kept set, so pi is too, over the set rebuilt from the "
+           "same parameters (pdmask.policy_loss(sampling_top_p=...))"),
+    Option("top_k", "honoured", "as top_p (sampling_top_k)"),
+    Option("min_p", "honoured (warns with top_k / top_p on the generate() path)",
+           "as top_p (sampling_min_p); the kept set is rebuilt in vLLM's order (min-p first), generate() applies "
+           "min-p last"),
     Option("repetition_penalty", "honoured (warns)", "mu includes the penalty, pi does not"),
     Option("generation_kwargs", "honoured", "part of the generation config the capture reads"),
     Option("mask_truncated_completions", "honoured", "TRL zeroes their completion mask"),
@@ -211,15 +256,67 @@ def check_mask_options(args) -> None:
                                  "epsilon / epsilon_high); leave it None")
 
 
-def loss_kwargs(args) -> dict[str, float]:
-    """The honoured TRL knobs as :func:`pdmask.policy_loss` arguments: the grpo clip range and the
-    IS cap / dual clip (``delta`` in grpo mode)."""
-    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+def _is_kwargs(args) -> dict[str, Any]:
+    """The IS weight: TRL's vLLM correction when it is on (:data:`VLLM_IS_MODES`), else pdmask's
+    ``is_*`` fields. TRL's bounds: ``clip_max`` None = no upper bound (``is_cap=inf``),
+    ``clip_min`` None or 0 = no lower bound (a ratio is never below 0)."""
+    if vllm_is_on(args) and not _grpo(args):
+        level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
+        hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+        return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else float(hi),
+                "is_floor": float(lo) if lo else None}
     is_cap = float(args.delta) if (_grpo(args) and args.delta is not None) else float(args.is_cap)
-    if not (is_cap > 0 and not math.isnan(is_cap)):
-        raise ValueError(f"is_cap: must be a positive number (inf disables), got {is_cap!r}")
-    return {"eps_low": float(args.epsilon), "eps_high": float(eps_high), "is_cap": is_cap}
+    return {"is_level": args.is_level, "is_mask": bool(args.is_mask), "is_cap": is_cap,
+            "is_floor": None if args.is_floor is None else float(args.is_floor)}
 
 
-__all__ = ["IS_CAP_DEFAULT", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "check", "check_mask_options", "loss_kwargs",
-           "trl_default"]
+def loss_kwargs(args) -> dict[str, Any]:
+    """The honoured TRL knobs and pdmask's correction fields as :func:`pdmask.policy_loss`
+    arguments: the grpo clip range, the IS weight (pdmask's ``is_*`` or TRL's vLLM
+    correction; ``delta`` is the dual clip in grpo mode), the rejection rules and the
+    off-policy sequence mask."""
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    kw = {"eps_low": float(args.epsilon), "eps_high": float(eps_high), **_is_kwargs(args),
+          "is_batch_normalize": bool(args.is_batch_normalize), "rejection": args.rejection or None,
+          "rejection_threshold": args.rejection_threshold if args.rejection_threshold != "" else None,
+          "off_policy_mask_threshold": args.off_policy_mask_threshold}
+    if not (kw["is_cap"] > 0 and not math.isnan(kw["is_cap"])):
+        raise ValueError(f"is_cap: must be a positive number (inf disables), got {kw['is_cap']!r}")
+    return kw
+
+
+def _off(v, *off) -> Any:
+    return None if v is None or v in off else v
+
+
+def sampling(args) -> dict[str, Any]:
+    """The generator's truncation (``top_k`` / ``top_p`` / ``min_p``; ``generation_kwargs`` wins,
+    as it does in TRL) as :func:`pdmask.policy_loss`'s ``sampling_*`` arguments, None = off."""
+    gk = args.generation_kwargs or {}
+    return {"sampling_top_k": _off(gk.get("top_k", args.top_k), 0, -1),
+            "sampling_top_p": _off(gk.get("top_p", args.top_p), 1.0),
+            "sampling_min_p": _off(gk.get("min_p", args.min_p), 0.0)}
+
+
+def check_corrections(args) -> None:
+    """Check the correction and truncation arguments the loss will get (one-line errors naming
+    the field): the core's own checks, with TRL's names when TRL's vLLM correction supplied the values."""
+    from ...corrections import check_corrections as core_check
+
+    from ...ops import check_sampling
+
+    samp = sampling(args)
+    # TRL's field names (generation_kwargs' values are checked under the same names)
+    check_sampling(samp["sampling_top_k"], samp["sampling_top_p"], samp["sampling_min_p"], prefix="")
+    kw = loss_kwargs(args)
+    kw.pop("eps_low"), kw.pop("eps_high")
+    try:
+        core_check(surrogate=MODES[args.mask_mode].surrogate, **kw)
+    except ValueError as e:
+        if vllm_is_on(args):
+            raise ValueError(f"vllm_importance_sampling_clip_min / _clip_max: {e}") from None
+        raise
+
+
+__all__ = ["IS_CAP_DEFAULT", "IS_FIELDS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "VLLM_IS_MODES", "check",
+           "check_corrections", "check_mask_options", "loss_kwargs", "sampling", "trl_default", "vllm_is_on"]

@@ -199,7 +199,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask,
             mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
             delta_high=a.mask_delta_high, temperature=self.temperature, chunk_size=a.mask_chunk_size,
-            validate=a.mask_validate, **options.loss_kwargs(a), **agg)
+            validate=a.mask_validate, **options.loss_kwargs(a), **options.sampling(a), **agg)
         self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
         loss = res.loss / divisor
         if aux_loss is not None:  # as TRL adds the MoE router loss: coef x aux / GA
