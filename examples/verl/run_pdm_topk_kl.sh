@@ -34,7 +34,9 @@ ARGS=(
     # the top-K losses anchor on the rollout's own log-probs (the replica's arrays), so the actor's
     # recomputation of old_log_probs is unused work: on the v1 trainer bypass mode only copies
     # rollout_log_probs into old_log_probs (the legacy trainer also rewrites loss_mode in the
-    # driver's config, see docs/verl.md)
+    # driver's config, see docs/verl.md). For verl's rollout_is / rollout_rs corrections set
+    # bypass_mode=false instead: verl computes them only in decoupled mode (the plugin refuses
+    # them with bypass_mode=true)
     algorithm.rollout_correction.bypass_mode=true
     data.train_files="$TRAIN"
     data.val_files="$VAL"

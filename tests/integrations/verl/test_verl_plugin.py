@@ -29,7 +29,7 @@ def test_import_verl_loads_the_plugin():
     from pdmask.integrations.verl import check_registered, registered_names
 
     assert "pdmask.integrations.verl.plugin" in sys.modules
-    assert check_registered() == {"losses": True, "rollout": True, "engine": True}
+    assert check_registered() == {"losses": True, "rollout": True, "engine": True, "config_check": True}
     for name in registered_names():
         assert get_policy_loss_fn(name) is POLICY_LOSS_REGISTRY[name]
         assert get_policy_loss_fn(name).__name__ == name
@@ -42,7 +42,7 @@ def test_plugin_selected_by_name_in_a_fresh_interpreter():
     env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="pdmask", PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "['engine', 'losses', 'rollout']"
+    assert out.stdout.strip().splitlines()[-1] == "['config_check', 'engine', 'losses', 'rollout']"
 
 
 def test_engine_lookup(monkeypatch):

@@ -33,7 +33,7 @@ def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
     return reference(Rollout(model, prompts, responses, fields, adv), adv, mode, estimator, **kw)
 
 
-def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
+def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding, response_mask=None, extra=None):
     from verl import DataProto
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -50,10 +50,13 @@ def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
         am[b, P - len(prompts[b]):P + len(responses[b])] = 1
     pos = (am.cumsum(-1) - 1).clamp(min=0) * am
     resp_mask = am[:, P:].clone()
+    if response_mask is not None:  # verl's rejection removes tokens from the response mask
+        resp_mask = resp_mask * response_mask.to(resp_mask.dtype)
     batch = TensorDict({
         "prompts": pr, "responses": rs, "input_ids": torch.cat([pr, rs], 1), "attention_mask": am,
         "position_ids": pos, "response_mask": resp_mask,
         "old_log_probs": torch.zeros(B, T, dtype=torch.float32), "advantages": adv.float(),
+        **(extra or {}),
     }, batch_size=B)
     nt = {}
     for key in fields[0]:
@@ -173,3 +176,70 @@ def test_batches_without_topk_use_the_stock_engine(monkeypatch):
     assert set(out["model_output"]) == {"log_probs"}
     from verl.utils import tensordict_utils as tu
     assert not tu.get_non_tensor_data(data=mb, key="distillation_use_topk", default=False)
+
+
+#: algorithm.rollout_correction settings -> the core's keywords on the same tensors
+CORRECTIONS = [
+    (dict(rollout_is="token", rollout_is_threshold=1.2), dict(is_level="token", is_cap=1.2)),
+    (dict(rollout_is="sequence", rollout_is_threshold=1.5), dict(is_level="sequence", is_cap=1.5)),
+    (dict(rollout_is="token", rollout_is_threshold="0.8_1.25"),
+     dict(is_level="token", is_mask=True, is_floor=0.8, is_cap=1.25)),
+    (dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True),
+     dict(is_level="token", is_cap=2.0, is_batch_normalize=True)),
+    (dict(rollout_is=None, rollout_rs="token_k3", rollout_rs_threshold=0.02), dict(is_level="token")),
+    (dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.9_1.1"),
+     dict(is_level="token", is_cap=1.5)),
+]
+
+
+@pytest.mark.parametrize("corr,core", CORRECTIONS, ids=[str(i) for i in range(len(CORRECTIONS))])
+def test_rollout_correction_decoupled_equals_core(monkeypatch, corr, core):
+    """``algorithm.rollout_correction`` in decoupled mode: verl's driver (``compute_rollout_correction_and_add_to_batch``
+    with verl's ``RolloutCorrectionConfig``) turns pi_old vs mu into ``rollout_is_weights`` and a
+    rejected-token ``response_mask``; the engine step with the top-K loss then equals
+    ``pdmask.policy_loss`` with the corresponding IS keywords, on the rejected mask (verl drops a
+    rejected token from the denominators). pi_old = pi here (the first update of a batch), so
+    verl's weights are the core's weights on the same tensors. Without weights (rollout_is null)
+    the loss keeps the mask's own min(pi/mu, C)."""
+    from verl import DataProto
+    from tensordict import TensorDict
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+    from verl.workers.utils.losses import ppo_loss
+
+    model, prompts, responses, fields, adv = _build(seed=1, mode_shift=0.6)
+    mode, name = "pdm-topk-kl", "pdmask_pdm_topk_kl"
+    base = _reference(model, prompts, responses, fields, adv.float().double(), mode, "exact")
+    valid = torch.zeros_like(base.stats["log_ratio"], dtype=torch.bool)
+    for b, r in enumerate(responses):
+        valid[b, :len(r)] = True
+    rlp = torch.zeros(valid.shape, dtype=torch.float64)
+    for b, f in enumerate(fields):
+        rlp[b, :len(responses[b])] = torch.as_tensor(f["pdmask_sampled_logprobs"], dtype=torch.float64)
+    old = torch.where(valid, rlp + base.stats["log_ratio"].detach(), torch.zeros_like(rlp))  # pi_old = pi
+    dp = DataProto(batch=TensorDict({"old_log_probs": old, "rollout_log_probs": rlp,
+                                     "response_mask": valid.long()}, batch_size=len(prompts)))
+    dp, _ = compute_rollout_correction_and_add_to_batch(dp, RolloutCorrectionConfig(**corr))
+    kept = dp.batch["response_mask"].bool()
+    extra = {}
+    if "rollout_is_weights" in dp.batch.keys():
+        extra["rollout_is_weights"] = dp.batch["rollout_is_weights"]
+    assert ("rollout_is_weights" in extra) == (corr["rollout_is"] is not None)
+
+    mb = _micro_batch(prompts, responses, fields, adv, use_remove_padding=True, response_mask=kept, extra=extra)
+    loss, out = _engine(monkeypatch, model).forward_step(
+        mb, loss_function=partial(ppo_loss, config=actor_config(loss_mode=name)), forward_only=False)
+    grads = torch.autograd.grad(loss, [model.E, model.Pe])
+    ref = _reference(model, prompts, responses, fields, adv.float().double(), mode, "exact", response_mask=kept,
+                     **core)
+    ref_grads = torch.autograd.grad(ref.loss, [model.E, model.Pe])
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-9)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-9)
+    # the correction bites on this batch (otherwise the test could not tell it was applied)
+    if corr.get("rollout_rs"):
+        assert 0 < int((~kept & valid).sum()) < int(valid.sum())
+    if corr["rollout_is"] is not None:
+        w = extra["rollout_is_weights"][valid]
+        lr = base.stats["log_ratio"][valid]
+        assert not torch.allclose(w.double(), lr.exp().clamp(max=5.0)), "verl's weight must differ from min(r, C)"

@@ -77,8 +77,9 @@ def build(seed=0, *, prompt_lens=(3, 2, 4), resp_lens=(5, 3, 6), mode_shift=1.5)
     return Rollout(model, prompts, responses, fields, adv)
 
 
-def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact", **kw):
-    """``pdmask.policy_loss`` on (B, T, V) logits computed directly from the tiny model."""
+def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact", response_mask=None, **kw):
+    """``pdmask.policy_loss`` on (B, T, V) logits computed directly from the tiny model
+    (``response_mask``: another (B, T) mask in place of the responses' own)."""
     B, T = len(r.prompts), r.T
     rows = []
     for b in range(B):
@@ -103,5 +104,7 @@ def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact"
     # verl scales the logits by the temperature held as a float32 tensor
     t32 = float(torch.tensor(TEMP, dtype=torch.float32))
     kw = {"delta_low": 0.05, "delta_high": 0.07, "is_cap": 5.0, **kw}
+    if response_mask is not None:
+        mask = response_mask.bool() & mask
     return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator,
                               temperature=t32, **kw)
