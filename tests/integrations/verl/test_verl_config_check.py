@@ -41,6 +41,8 @@ REFUSED = [
     (TOPK, ["+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=token"],
      "actor_rollout_ref.actor.policy_loss.rollout_correction"),
     (TOPK, ["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels"),
+    (TOPK, ["actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.top_p"),
+    ("pdmask_dppo_topk_tv", ["actor_rollout_ref.rollout.top_k=50"], "actor_rollout_ref.rollout.top_k"),
 ]
 
 
