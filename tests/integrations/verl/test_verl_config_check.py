@@ -43,6 +43,7 @@ REFUSED = [
     (TOPK, ["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels"),
     (TOPK, ["actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.top_p"),
     ("pdmask_dppo_topk_tv", ["actor_rollout_ref.rollout.top_k=50"], "actor_rollout_ref.rollout.top_k"),
+    (BINARY, [f"{RC}.bypass_mode=true", "actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.top_p"),
 ]
 
 
@@ -56,6 +57,12 @@ def test_refused_with_one_line_naming_the_key(loss_mode, extra, key):
 
 def test_fused_kernels_pass_with_a_binary_loss():
     _check(script_overrides(LOSS_MODE=BINARY) + ["actor_rollout_ref.model.use_fused_kernels=true"])
+
+
+def test_truncation_passes_with_a_binary_loss_in_decoupled_mode():
+    """Decoupled mode: the binary losses anchor on the recomputed full-vocabulary pi_old."""
+    script = [o for o in script_overrides(LOSS_MODE=BINARY) if not o.startswith(f"{RC}.bypass_mode")]
+    _check(script + [f"{RC}.bypass_mode=false", "actor_rollout_ref.rollout.top_p=0.9"])
 
 
 def test_other_losses_are_not_checked():

@@ -14,8 +14,9 @@ this module refuses it with one line naming the key, instead of letting verl dro
   ``rollout_is_weights`` and its rejected ``response_mask`` (:mod:`.losses`).
 - ``actor_rollout_ref.actor.policy_loss.rollout_correction``: read only by verl's
   ``bypass_mode`` loss (``core_algos.compute_policy_loss_bypass_mode``).
-- ``actor_rollout_ref.rollout.top_k`` / ``top_p`` truncating with a top-K loss: the replica's
-  mu is renormalised over the kept set, verl's differentiable ``log_prob`` is not, and a
+- ``actor_rollout_ref.rollout.top_k`` / ``top_p`` truncating with a loss anchored on the
+  rollout's mu (the top-K losses; the binary ones in bypass mode): that mu is renormalised
+  over the kept set, verl's differentiable ``log_prob`` is not, and a
   registered loss cannot change that (the core's truncated-sampling correction needs the
   logits' gradient path).
 - ``actor_rollout_ref.model.use_fused_kernels=true`` with a top-K loss: the fused forward
@@ -75,15 +76,17 @@ def check_config(config: Any) -> None:
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.rollout_correction: read only by verl's bypass_mode loss, not by "
             f"loss_mode={loss_mode}; configure {rc} (with bypass_mode=false) instead")
-    if mode not in BINARY_MODES:
+    # the top-K modes always anchor on the rollout's mu; the binary modes only in bypass mode
+    if mode not in BINARY_MODES or _get(config, f"{rc}.bypass_mode", False):
         ro = "actor_rollout_ref.rollout"
         top_k, top_p = _get(config, f"{ro}.top_k", -1), _get(config, f"{ro}.top_p", 1.0)
         if (top_k not in (-1, 0) and top_k is not None) or (top_p is not None and float(top_p) < 1.0):
             key = f"{ro}.top_k" if top_k not in (-1, 0, None) else f"{ro}.top_p"
             raise ValueError(
-                f"{key}: truncated sampling is not supported with loss_mode={loss_mode} in verl: the rollout's mu is "
-                "renormalised over the kept tokens while the log-prob verl differentiates spans the vocabulary, and "
-                "a registered loss cannot renormalise it; sample with top_k=-1 and top_p=1 (verl's defaults)")
+                f"{key}: truncated sampling is not supported with loss_mode={loss_mode} anchored on the rollout in "
+                "verl: the rollout's mu is renormalised over the kept tokens while the log-prob verl differentiates "
+                "spans the vocabulary, and a registered loss cannot renormalise it; sample with top_k=-1 and top_p=1 "
+                "(verl's defaults)")
     if mode not in BINARY_MODES and _get(config, "actor_rollout_ref.model.use_fused_kernels", False):
         raise ValueError(
             f"actor_rollout_ref.model.use_fused_kernels: loss_mode={loss_mode} needs the logits, which verl's fused "
