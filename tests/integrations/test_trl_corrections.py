@@ -188,3 +188,21 @@ def test_refused_when_the_mapping_is_not_exact(tmp_path):
         H.config(tmp_path, mask_mode="grpo", rollout_top_k=0, is_level="sequence")
     with pytest.raises(ValueError, match=r"^rejection: "):
         H.config(tmp_path, rejection="seq_k9")
+
+
+@pytest.mark.parametrize("mode,k", [("grpo", 0), ("dppo-binary-kl", 0), ("pdm-topk-kl", 4)])
+def test_truncated_sampling_in_other_modes(tmp_path, mode, k):
+    """The truncation keywords reach the loss in the ppo-clip, binary and predictive modes too:
+    the loss equals policy_loss with them, and on-policy nothing is masked."""
+    tr = H.make_trainer(tmp_path, mask_mode=mode, rollout_top_k=k, max_steps=1, steps_per_generation=1, top_k=5)
+    tr.train()
+    rec = tr.records[0]
+    torch.testing.assert_close(rec["loss"], rec["expected"], atol=1e-6, rtol=1e-5)
+    assert float(rec["metrics"]["policy_kept_mass_mean"]) < 0.99
+    assert abs(float(rec["metrics"]["ratio_mean"]) - 1.0) < 1e-4
+    assert bool(rec["kept"][rec["mask"]].all())
+
+
+def test_min_p_with_top_p_warns_on_the_generate_path(tmp_path):
+    with pytest.warns(UserWarning, match=r"^min_p: generate\(\) applies min-p after"):
+        H.config(tmp_path, min_p=0.05, top_p=0.9)
