@@ -56,6 +56,7 @@ REFUSED = [
     ({"is_level": "word"}, "is_level"),
     ({"is_floor": 6.0}, "is_floor"),                                             # >= is_cap
     ({"is_mask": True, "is_level": None}, "is_mask"),
+    ({"is_mask": "yes"}, "is_mask"),
     ({"mask_mode": "grpo", "is_batch_normalize": True}, "is_batch_normalize"),
     ({"rejection": "seq_k9"}, "rejection"),
     ({"rejection_threshold": "0.5"}, "rejection_threshold"),                    # without rules

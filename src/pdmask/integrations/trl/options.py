@@ -266,7 +266,7 @@ def _is_kwargs(args) -> dict[str, Any]:
         return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else float(hi),
                 "is_floor": float(lo) if lo else None}
     is_cap = float(args.delta) if (_grpo(args) and args.delta is not None) else float(args.is_cap)
-    return {"is_level": args.is_level, "is_mask": bool(args.is_mask), "is_cap": is_cap,
+    return {"is_level": args.is_level, "is_mask": args.is_mask, "is_cap": is_cap,
             "is_floor": None if args.is_floor is None else float(args.is_floor)}
 
 
@@ -277,7 +277,7 @@ def loss_kwargs(args) -> dict[str, Any]:
     off-policy sequence mask."""
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     kw = {"eps_low": float(args.epsilon), "eps_high": float(eps_high), **_is_kwargs(args),
-          "is_batch_normalize": bool(args.is_batch_normalize), "rejection": args.rejection or None,
+          "is_batch_normalize": args.is_batch_normalize, "rejection": args.rejection or None,
           "rejection_threshold": args.rejection_threshold if args.rejection_threshold != "" else None,
           "off_policy_mask_threshold": args.off_policy_mask_threshold}
     if not (kw["is_cap"] > 0 and not math.isnan(kw["is_cap"])):
