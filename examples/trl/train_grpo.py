@@ -2,7 +2,7 @@
 
 Runs as is on a CPU with a tiny model built in memory (no download):
 
-    pip install 'pdmask[trl]'
+    pip install -e ".[trl]"          # from a pdmask checkout (torch first on CPU)
     python examples/trl/train_grpo.py --mask-mode pdm-topk-kl --max-steps 4
 
 Two processes (CPU: gloo; GPUs: NCCL):
@@ -27,7 +27,7 @@ import argparse
 import torch
 from datasets import Dataset
 
-from pdmask.integrations.trl import GRPOConfig, GRPOTrainer
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, finish_and_exit
 
 WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + list("abcdefghijklmnop") + ["say", "count", "repeat", ":"]
 
@@ -97,6 +97,10 @@ def main(argv=None):
         steps_per_generation=a.steps_per_generation, max_completion_length=a.max_completion_length,
         temperature=a.temperature, loss_type=a.loss_type, bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
         use_vllm=a.use_vllm, vllm_mode="colocate",
+        # the IS weight against the vLLM sampler mu: --is-cap's min(pi/mu, is_cap). Leaving TRL's
+        # correction on (its default) would use TRL's mode instead (sequence_mask, clip_max=3), and
+        # the config refuses is_cap next to it
+        vllm_importance_sampling_correction=False,
         # the trust-region mask
         mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=a.mask_delta,
         mask_delta_high=a.mask_delta, rollout_top_k=k, is_cap=a.is_cap,
@@ -111,10 +115,11 @@ def main(argv=None):
                 print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {reward} "
                       f"kept {h['pdmask/kept_frac']:.3f} out_of_region {h['pdmask/out_of_region_frac']:.3f} "
                       f"disagreement {h['pdmask/disagreement_frac']:.3f}")
-    if torch.distributed.is_initialized():  # a clean exit for gloo/NCCL under accelerate/torchrun
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    return trainer
 
 
 if __name__ == "__main__":
-    main()
+    # Under accelerate/torchrun: wait for every rank, destroy the process group and leave with
+    # os._exit -- the gloo process group's destructor can deadlock at interpreter exit (see
+    # pdmask.integrations.trl.shutdown). A single process just returns.
+    finish_and_exit(main())

@@ -4,9 +4,10 @@
 #
 # NEEDS GPUs (vLLM, FSDP, flash-attn). It was NOT run in pdmask's CI or by its authors; the config
 # keys below are checked against verl 0.9.1's real config schema by
-# tests/integrations/verl/test_verl_plugin.py::test_launch_script_config_composes (PDMASK_PRINT_OVERRIDES=1 prints them).
+# tests/integrations/verl/test_verl_plugin.py::test_launch_script_config_composes (PDMASK_PRINT_OVERRIDES=1 prints them),
+# and tests/integrations/verl/test_verl_data_path.py runs verl's v1 and legacy data paths on CPU with this config.
 #
-#   pip install 'pdmask[verl]' vllm          # vllm: the GPU build verl 0.9.1 pairs with
+#   pip install -e ".[verl]" vllm             # from a pdmask checkout; vllm: the GPU build verl 0.9.1 pairs with
 #   MODEL=Qwen/Qwen3-4B-Base TRAIN=~/data/dapo/train.parquet VAL=~/data/aime/test.parquet \
 #     bash examples/verl/run_pdm_topk_kl.sh [extra hydra overrides...]
 #
@@ -25,8 +26,18 @@ DELTA=${DELTA:-0.05}   # KL threshold (TV modes: 0.15)
 TOPK=${TOPK:-20}
 
 ARGS=(
+    # verl's default trainer (TaskRunnerV1 + TransferQueue). The top-K arrays reach the actor inside
+    # each sample's extra_fields there; use_v1=false (the deprecated RayPPOTrainer) works too.
+    trainer.use_v1=true
     algorithm.adv_estimator=grpo
     algorithm.use_kl_in_reward=false
+    # the top-K losses anchor on the rollout's own log-probs (the replica's arrays), so the actor's
+    # recomputation of old_log_probs is unused work: on the v1 trainer bypass mode only copies
+    # rollout_log_probs into old_log_probs (the legacy trainer also rewrites loss_mode in the
+    # driver's config, see docs/verl.md). For verl's rollout_is / rollout_rs corrections set
+    # bypass_mode=false instead: verl computes them only in decoupled mode (the plugin refuses
+    # them with bypass_mode=true)
+    algorithm.rollout_correction.bypass_mode=true
     data.train_files="$TRAIN"
     data.val_files="$VAL"
     data.train_batch_size=128

@@ -120,10 +120,6 @@ def test_config_rejects(tmp_path, kw, match):
         H.config(tmp_path, **kw)
 
 
-def test_config_turns_off_trl_is_correction(tmp_path):
-    assert H.config(tmp_path).vllm_importance_sampling_correction is False
-
-
 def test_trainer_needs_pdmask_config(tmp_path):
     import trl
     from datasets import Dataset
@@ -184,3 +180,27 @@ def test_example_script_runs(tmp_path, capsys):
     ex.main(["--max-steps", "1", "--mask-mode", "dppo-topk-tv", "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "step 1: loss" in out and "kept 1.000" in out  # one on-policy step: nothing masked
+
+
+def test_finish_and_exit(tmp_path):
+    """Single process (no process group): returns. With a process group: waits, ends training,
+    flushes and leaves with os._exit(code) -- checked in a child process with a one-rank gloo group."""
+    from pdmask.integrations.trl import finish_and_exit
+
+    assert finish_and_exit(object()) is None
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from pdmask.integrations.trl import finish_and_exit\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+        "class Acc:\n"
+        "    def wait_for_everyone(self): print('waited', flush=True)\n"
+        # not flushed here: it reaches the pipe only if finish_and_exit flushes before os._exit
+        "    def end_training(self): print('ended'); dist.destroy_process_group()\n"
+        "class T: accelerator = Acc()\n"
+        "finish_and_exit(T(), code=3)\n"
+        "print('not reached')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert p.stdout.split() == ["waited", "ended"], p.stdout

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import trl_helpers as H
+from pdmask.integrations.trl import finish_and_exit
 
 
 def main(outdir: str) -> None:
@@ -35,10 +36,9 @@ def main(outdir: str) -> None:
         "local_completions": tr.records[0]["inputs"]["completion_ids"].tolist(),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(res))
-    # Tear the process group down before exit: gloo's threads otherwise abort the
-    # interpreter at shutdown ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+    # The deterministic end (wait, destroy the group, os._exit): letting the interpreter tear
+    # down the DDP-held gloo group can deadlock or abort (pdmask.integrations.trl.shutdown).
+    finish_and_exit(tr)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_e
 from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer  # noqa: E402
 
 import pdmask  # noqa: E402
-from pdmask.integrations.trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, options  # noqa: E402
 
 
 def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
@@ -53,21 +53,33 @@ class Probe(GRPOTrainer):
             ids = torch.cat([inputs["prompt_ids"], comp], 1)
             am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
             pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # positions as generate() counts them
-            logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1:-1].float()
+            moe = self.aux_loss_enabled
+            extra = {"output_router_logits": True} if moe else {}
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, **extra)
+            logits = out.logits[:, P - 1:-1].float()
             mask = inputs["completion_mask"].bool()
+            # TRL's two-sided clip `delta` is the grpo dual clip (see test_trl_options); the
+            # corrections and the truncation as mapped by options (their mapping: test_trl_corrections)
+            cap = a.delta if (a.mask_mode == "grpo" and a.delta is not None) else a.is_cap
+            corr = {k: v for k, v in options.loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
+            if options.vllm_is_on(a):
+                cap = options.loss_kwargs(a)["is_cap"]
             ref = pdmask.policy_loss(
                 logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
                 inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
                 estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,
-                eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=a.is_cap,
-                temperature=a.temperature)
+                eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=cap,
+                temperature=a.temperature, **corr, **options.sampling(a))
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
+            if moe:  # TRL adds coef x aux / GA (grpo_trainer._compute_loss)
+                ga = self.current_gradient_accumulation_steps
+                expected = expected + self.router_aux_loss_coef * out.aux_loss / ga
         self.records.append({
             "loss": loss.detach().clone(), "expected": expected, "logits": logits, "mask": mask,
             # no optimizer step since this batch was generated (generation is aligned to steps)
             "on_policy": self._step % a.steps_per_generation < a.gradient_accumulation_steps,
             "inputs": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
-            "kept": ref.mask, "metrics": ref.metrics,
+            "kept": ref.mask, "metrics": ref.metrics, "entropy": ref.stats["entropy"],
         })
         return loss
 
@@ -81,9 +93,10 @@ def config(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-def make_trainer(tmp_path, cls=Probe, n_prompts=8, **kw):
-    return cls(model=tiny_model(), reward_funcs=reward_letter_a, args=config(tmp_path, **kw),
-               train_dataset=Dataset.from_dict({"prompt": prompts(n_prompts)}), processing_class=tiny_tokenizer())
+def make_trainer(tmp_path, cls=Probe, n_prompts=8, model=None, **kw):
+    return cls(model=model if model is not None else tiny_model(), reward_funcs=reward_letter_a,
+               args=config(tmp_path, **kw), train_dataset=Dataset.from_dict({"prompt": prompts(n_prompts)}),
+               processing_class=tiny_tokenizer())
 
 
 class FakeVLLMGeneration:

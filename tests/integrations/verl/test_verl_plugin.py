@@ -7,16 +7,12 @@ import importlib.metadata
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from verl_helpers import needs_verl
+from verl_helpers import compose_config, needs_verl, script_overrides
 
 pytestmark = needs_verl
-
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "examples" / "verl" / "run_pdm_topk_kl.sh"
 
 
 def test_entry_point_is_installed():
@@ -33,7 +29,7 @@ def test_import_verl_loads_the_plugin():
     from pdmask.integrations.verl import check_registered, registered_names
 
     assert "pdmask.integrations.verl.plugin" in sys.modules
-    assert check_registered() == {"losses": True, "rollout": True, "engine": True}
+    assert check_registered() == {"losses": True, "rollout": True, "engine": True, "config_check": True}
     for name in registered_names():
         assert get_policy_loss_fn(name) is POLICY_LOSS_REGISTRY[name]
         assert get_policy_loss_fn(name).__name__ == name
@@ -46,7 +42,7 @@ def test_plugin_selected_by_name_in_a_fresh_interpreter():
     env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="pdmask", PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "['engine', 'losses', 'rollout']"
+    assert out.stdout.strip().splitlines()[-1] == "['config_check', 'engine', 'losses', 'rollout']"
 
 
 def test_engine_lookup(monkeypatch):
@@ -59,18 +55,9 @@ def test_engine_lookup(monkeypatch):
         assert EngineRegistry.get_engine_cls("pdmask_language_model", backend) is PdmaskFSDPEngine
 
 
-def _script_overrides(**env):
-    out = subprocess.run(["bash", str(SCRIPT)], env=dict(os.environ, PDMASK_PRINT_OVERRIDES="1", **env),
-                         capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
-
-
 @pytest.mark.parametrize("loss_mode", ["pdmask_pdm_topk_kl", "pdmask_pdm_topk_tv_aggregated",
                                        "pdmask_dppo_binary_tv"])
 def test_launch_script_config_composes(loss_mode):
-    import verl
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import HFModelConfig
@@ -79,12 +66,7 @@ def test_launch_script_config_composes(loss_mode):
 
     from pdmask.integrations.verl.rollout import topk_from_config
 
-    overrides = _script_overrides(LOSS_MODE=loss_mode, DELTA="0.15", TOPK="16")
-    cfgdir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=cfgdir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides)
-    with open_dict(cfg):  # main_ppo fills this from rollout.n before building the actor config
-        cfg.actor_rollout_ref.actor.rollout_n = cfg.actor_rollout_ref.rollout.n
+    cfg = compose_config(script_overrides(LOSS_MODE=loss_mode, DELTA="0.15", TOPK="16"))
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     assert actor.policy_loss.loss_mode == loss_mode and loss_mode in POLICY_LOSS_REGISTRY
@@ -95,3 +77,5 @@ def test_launch_script_config_composes(loss_mode):
     assert cfg.actor_rollout_ref.model.model_type in EngineRegistry._engines
     assert "model_type" in HFModelConfig.__dataclass_fields__
     assert cfg.actor_rollout_ref.model.use_fused_kernels is False
+    assert cfg.trainer.use_v1 is True  # verl's default path, which test_verl_data_path runs on CPU
+    assert cfg.algorithm.rollout_correction.bypass_mode is True

@@ -18,73 +18,29 @@ import numpy as np
 import pytest
 import torch
 
-from verl_helpers import actor_config, load_engine_fakes, needs_verl
-
-import pdmask
-
-vllm_sample = load_engine_fakes().vllm_sample
+from verl_helpers import actor_config, needs_verl
+from verl_rollout import TEMP, V, Rollout, build, reference
 
 pytestmark = needs_verl
 
-V, K, TEMP = 13, 4, 0.8
-PROMPT_LENS = [3, 2, 4]
-RESP_LENS = [5, 3, 6]
-P, T = max(PROMPT_LENS), max(RESP_LENS)
-
-
-class TinyLM(torch.nn.Module):
-    """logits[pos] = E[token at pos] + Pe[position]: the reference needs no verl code."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.E = torch.nn.Parameter(torch.randn(V, V, generator=g, dtype=torch.float64) * 2)
-        self.Pe = torch.nn.Parameter(torch.randn(P + T, V, generator=g, dtype=torch.float64))
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **_):
-        return SimpleNamespace(logits=self.E[input_ids] + self.Pe[position_ids])
-
 
 def _build(seed=0, *, mode_shift=1.5):
-    """Prompts, rollout (vLLM-format outputs from a perturbed policy), padded batch tensors."""
-    from pdmask.integrations.verl.rollout import completion_topk_fields
-
-    g = torch.Generator().manual_seed(seed)
-    model = TinyLM(seed)
-    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    # the rollout policy mu: the model's logits plus noise, sampled autoregressively
-    responses, comps = [], []
-    for b in range(3):
-        seq = list(prompts[b])
-        for t in range(RESP_LENS[b]):
-            pos = len(seq) - 1
-            noise = torch.randn(V, generator=g, dtype=torch.float64) * mode_shift
-            z = (model.E[seq[pos]] + model.Pe[pos]).detach() + noise
-            outs, _ = vllm_sample(z[None, None].float(), [1], k=K, temperature=TEMP, seed=seed * 100 + b * 10 + t)
-            c = outs[0].outputs[0]
-            comps.append((b, t, c))
-            seq.append(c.token_ids[0])
-        responses.append(seq[len(prompts[b]):])
-    # per-sample arrays exactly as the replica would put them in extra_fields: merge the
-    # one-token completions of a sample into one CompletionOutput
-    fields = []
-    for b in range(3):
-        cs = [c for bb, _, c in comps if bb == b]
-        merged = SimpleNamespace(token_ids=[c.token_ids[0] for c in cs], logprobs=[c.logprobs[0] for c in cs])
-        fields.append(completion_topk_fields(merged, k=K, logprobs_mode="processed_logprobs",
-                                             sampling_params=SimpleNamespace(temperature=TEMP, top_p=1.0, top_k=0,
-                                                                             min_p=0.0)))
-    adv = torch.randn(3, generator=g, dtype=torch.float64)[:, None].expand(3, T).clone()
-    return model, prompts, responses, fields, adv
+    r = build(seed, mode_shift=mode_shift)
+    return r.model, r.prompts, r.responses, r.fields, r.adv
 
 
-def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
+def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
+    return reference(Rollout(model, prompts, responses, fields, adv), adv, mode, estimator, **kw)
+
+
+def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding, response_mask=None, extra=None):
     from verl import DataProto
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
     B = len(prompts)
+    P, T = max(map(len, prompts)), max(map(len, responses))
     pr = torch.zeros(B, P, dtype=torch.long)
     rs = torch.zeros(B, T, dtype=torch.long)
     am = torch.zeros(B, P + T, dtype=torch.long)
@@ -94,10 +50,13 @@ def _micro_batch(prompts, responses, fields, adv, *, use_remove_padding):
         am[b, P - len(prompts[b]):P + len(responses[b])] = 1
     pos = (am.cumsum(-1) - 1).clamp(min=0) * am
     resp_mask = am[:, P:].clone()
+    if response_mask is not None:  # verl's rejection removes tokens from the response mask
+        resp_mask = resp_mask * response_mask.to(resp_mask.dtype)
     batch = TensorDict({
         "prompts": pr, "responses": rs, "input_ids": torch.cat([pr, rs], 1), "attention_mask": am,
         "position_ids": pos, "response_mask": resp_mask,
         "old_log_probs": torch.zeros(B, T, dtype=torch.float32), "advantages": adv.float(),
+        **(extra or {}),
     }, batch_size=B)
     nt = {}
     for key in fields[0]:
@@ -123,35 +82,6 @@ def _engine(monkeypatch, model):
     eng.module, eng._autocast_dtype = model, torch.float32
     eng.get_data_parallel_group = lambda: None
     return eng
-
-
-def _reference(model, prompts, responses, fields, adv, mode, estimator, **kw):
-    """pdmask.policy_loss on logits computed directly from the tiny model (B, T, V)."""
-    B = len(prompts)
-    rows = []
-    for b in range(B):
-        seq = prompts[b] + responses[b]
-        idx = torch.arange(len(prompts[b]) - 1, len(seq) - 1)
-        z = model.E[torch.tensor(seq)[idx]] + model.Pe[idx]
-        rows.append(torch.nn.functional.pad(z, (0, 0, 0, T - len(idx))))
-    logits = torch.stack(rows)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    rlp = torch.zeros(B, T, dtype=torch.float32)
-    tk = torch.zeros(B, T, K, dtype=torch.long)
-    tl = torch.zeros(B, T, K, dtype=torch.float32)
-    for b, f in enumerate(fields):
-        n = len(responses[b])
-        mask[b, :n] = True
-        ids[b, :n] = torch.as_tensor(f["pdmask_sampled_ids"], dtype=torch.long)
-        rlp[b, :n] = torch.as_tensor(f["pdmask_sampled_logprobs"])
-        tk[b, :n] = torch.as_tensor(f["pdmask_topk_ids"], dtype=torch.long)
-        tl[b, :n] = torch.as_tensor(f["pdmask_topk_logprobs"])
-        assert ids[b, :n].tolist() == responses[b]
-    # verl scales the logits by the temperature held as a float32 tensor
-    t32 = float(torch.tensor(TEMP, dtype=torch.float32))
-    return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator, temperature=t32,
-                              delta_low=0.05, delta_high=0.07, is_cap=5.0, **kw)
 
 
 @pytest.mark.parametrize("use_remove_padding", [True, False])
@@ -246,3 +176,70 @@ def test_batches_without_topk_use_the_stock_engine(monkeypatch):
     assert set(out["model_output"]) == {"log_probs"}
     from verl.utils import tensordict_utils as tu
     assert not tu.get_non_tensor_data(data=mb, key="distillation_use_topk", default=False)
+
+
+#: algorithm.rollout_correction settings -> the core's keywords on the same tensors
+CORRECTIONS = [
+    (dict(rollout_is="token", rollout_is_threshold=1.2), dict(is_level="token", is_cap=1.2)),
+    (dict(rollout_is="sequence", rollout_is_threshold=1.5), dict(is_level="sequence", is_cap=1.5)),
+    (dict(rollout_is="token", rollout_is_threshold="0.8_1.25"),
+     dict(is_level="token", is_mask=True, is_floor=0.8, is_cap=1.25)),
+    (dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True),
+     dict(is_level="token", is_cap=2.0, is_batch_normalize=True)),
+    (dict(rollout_is=None, rollout_rs="token_k3", rollout_rs_threshold=0.02), dict(is_level="token")),
+    (dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.9_1.1"),
+     dict(is_level="token", is_cap=1.5)),
+]
+
+
+@pytest.mark.parametrize("corr,core", CORRECTIONS, ids=[str(i) for i in range(len(CORRECTIONS))])
+def test_rollout_correction_decoupled_equals_core(monkeypatch, corr, core):
+    """``algorithm.rollout_correction`` in decoupled mode: verl's driver (``compute_rollout_correction_and_add_to_batch``
+    with verl's ``RolloutCorrectionConfig``) turns pi_old vs mu into ``rollout_is_weights`` and a
+    rejected-token ``response_mask``; the engine step with the top-K loss then equals
+    ``pdmask.policy_loss`` with the corresponding IS keywords, on the rejected mask (verl drops a
+    rejected token from the denominators). pi_old = pi here (the first update of a batch), so
+    verl's weights are the core's weights on the same tensors. Without weights (rollout_is null)
+    the loss keeps the mask's own min(pi/mu, C)."""
+    from verl import DataProto
+    from tensordict import TensorDict
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+    from verl.workers.utils.losses import ppo_loss
+
+    model, prompts, responses, fields, adv = _build(seed=1, mode_shift=0.6)
+    mode, name = "pdm-topk-kl", "pdmask_pdm_topk_kl"
+    base = _reference(model, prompts, responses, fields, adv.float().double(), mode, "exact")
+    valid = torch.zeros_like(base.stats["log_ratio"], dtype=torch.bool)
+    for b, r in enumerate(responses):
+        valid[b, :len(r)] = True
+    rlp = torch.zeros(valid.shape, dtype=torch.float64)
+    for b, f in enumerate(fields):
+        rlp[b, :len(responses[b])] = torch.as_tensor(f["pdmask_sampled_logprobs"], dtype=torch.float64)
+    old = torch.where(valid, rlp + base.stats["log_ratio"].detach(), torch.zeros_like(rlp))  # pi_old = pi
+    dp = DataProto(batch=TensorDict({"old_log_probs": old, "rollout_log_probs": rlp,
+                                     "response_mask": valid.long()}, batch_size=len(prompts)))
+    dp, _ = compute_rollout_correction_and_add_to_batch(dp, RolloutCorrectionConfig(**corr))
+    kept = dp.batch["response_mask"].bool()
+    extra = {}
+    if "rollout_is_weights" in dp.batch.keys():
+        extra["rollout_is_weights"] = dp.batch["rollout_is_weights"]
+    assert ("rollout_is_weights" in extra) == (corr["rollout_is"] is not None)
+
+    mb = _micro_batch(prompts, responses, fields, adv, use_remove_padding=True, response_mask=kept, extra=extra)
+    loss, out = _engine(monkeypatch, model).forward_step(
+        mb, loss_function=partial(ppo_loss, config=actor_config(loss_mode=name)), forward_only=False)
+    grads = torch.autograd.grad(loss, [model.E, model.Pe])
+    ref = _reference(model, prompts, responses, fields, adv.float().double(), mode, "exact", response_mask=kept,
+                     **core)
+    ref_grads = torch.autograd.grad(ref.loss, [model.E, model.Pe])
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-6, atol=1e-9)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-9)
+    # the correction bites on this batch (otherwise the test could not tell it was applied)
+    if corr.get("rollout_rs"):
+        assert 0 < int((~kept & valid).sum()) < int(valid.sum())
+    if corr["rollout_is"] is not None:
+        w = extra["rollout_is_weights"][valid]
+        lr = base.stats["log_ratio"][valid]
+        assert not torch.allclose(w.double(), lr.exp().clamp(max=5.0)), "verl's weight must differ from min(r, C)"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-VERL_REASON = ("needs the 'verl' extra (pip install 'pdmask[verl]'; verl 0.9.1 needs transformers<5.11, so "
-               "it lives in its own environment: bash .ci/verl.sh)")
+VERL_REASON = ("needs the 'verl' extra (pip install -e '.[verl]' from a checkout; verl 0.9.1 needs "
+               "transformers<5.11, so it lives in its own environment: bash .ci/verl.sh)")
 
 
 def _have_verl() -> bool:
@@ -65,3 +65,34 @@ def binary_batch(seed=0, B=4, T=8, V=11, dtype=torch.float64):
     mask[1, 4:] = False
     mask[2, 2:] = False
     return logits, ids, rlp, adv, mask, mu_logits
+
+
+ROOT = Path(__file__).resolve().parents[3]
+LAUNCH_SCRIPT = ROOT / "examples" / "verl" / "run_pdm_topk_kl.sh"
+
+
+def script_overrides(**env) -> list[str]:
+    """The Hydra overrides examples/verl/run_pdm_topk_kl.sh would pass to main_ppo."""
+    import os
+    import subprocess
+
+    out = subprocess.run(["bash", str(LAUNCH_SCRIPT)], env=dict(os.environ, PDMASK_PRINT_OVERRIDES="1", **env),
+                         capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def compose_config(overrides: list[str]):
+    """verl 0.9.1's ppo_trainer config with the given overrides, as main_ppo composes it
+    (plus the actor's rollout_n, which main_ppo fills in before building the actor config)."""
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    cfgdir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfgdir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.actor.rollout_n = cfg.actor_rollout_ref.rollout.n
+    return cfg

@@ -24,12 +24,13 @@ def _check_trl_version() -> str:
     try:
         import trl
     except ImportError as e:  # pragma: no cover - exercised only without trl
-        raise ImportError("pdmask.integrations.trl needs TRL: pip install 'pdmask[trl]'") from e
+        raise ImportError("pdmask.integrations.trl needs TRL: pip install -e '.[trl]' (from a pdmask checkout)") from e
     v = getattr(trl, "__version__", "0")
     parts = tuple(int(p) for p in v.split(".")[:2] if p.isdigit())
     if parts != SUPPORTED_TRL[1]:
         msg = (f"pdmask.integrations.trl supports trl{SUPPORTED_TRL[0]} (it overrides private GRPOTrainer "
-               f"methods), found trl {v}. Install a supported version: pip install 'pdmask[trl]'.")
+               f"methods), found trl {v}. Install a supported version: pip install -e '.[trl]' "
+               "(from a pdmask checkout).")
         if os.environ.get("PDMASK_TRL_ALLOW_UNSUPPORTED") == "1":
             warnings.warn(msg + " Continuing because PDMASK_TRL_ALLOW_UNSUPPORTED=1.", RuntimeWarning, stacklevel=3)
         else:
@@ -41,6 +42,7 @@ TRL_VERSION = _check_trl_version()
 
 from .capture import TopKRecorder  # noqa: E402
 from .config import PDMaskGRPOConfig  # noqa: E402
+from .shutdown import finish_and_exit  # noqa: E402
 from .trainer import PDMaskGRPOTrainer  # noqa: E402
 
 #: Drop-in names.
@@ -48,4 +50,4 @@ GRPOConfig = PDMaskGRPOConfig
 GRPOTrainer = PDMaskGRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "PDMaskGRPOConfig", "PDMaskGRPOTrainer", "SUPPORTED_TRL", "TRL_VERSION",
-           "TopKRecorder"]
+           "TopKRecorder", "finish_and_exit"]

@@ -10,9 +10,11 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from ... import MODES
 from ..._validate import ESTIMATORS
+from . import options
+from .options import IS_CAP_DEFAULT, LOSS_TYPES  # noqa: F401  (LOSS_TYPES: re-export)
 
-#: TRL ``loss_type`` -> how :func:`pdmask.policy_loss` aggregates (see the trainer).
-LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+#: K captured when ``rollout_top_k`` is left unset and the mode needs the top-K (the paper's K).
+DEFAULT_TOP_K = 20
 
 
 @dataclass
@@ -27,17 +29,15 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
 
     TRL fields that keep their meaning: ``temperature`` (pi = softmax(logits / T), the
     same T the generator samples at), ``top_k`` / ``top_p`` / ``min_p`` (the captured mu
-    is the truncated, renormalised distribution), ``epsilon`` / ``epsilon_high`` (the
-    ``grpo`` mode's clip), ``loss_type`` (aggregation: ``dapo`` = token mean over the
-    global accumulated batch, ``bnpo`` = local token mean, ``grpo`` = per-sequence mean,
-    ``dr_grpo`` = sum / (B * max_completion_length)).
+    is the truncated, renormalised distribution; pi is renormalised over the same kept
+    set), ``vllm_importance_sampling_*`` and ``off_policy_mask_threshold`` (through
+    :mod:`pdmask.corrections`; pdmask's ``is_*`` / ``rejection*`` fields otherwise), ``epsilon`` / ``epsilon_high`` / ``delta``
+    (the ``grpo`` mode's clip and dual clip), ``loss_type`` (aggregation: ``dapo`` = token
+    mean over the global accumulated batch, ``bnpo`` = local token mean, ``grpo`` =
+    per-sequence mean, ``dr_grpo`` = sum / (B * max_completion_length)).
 
-    Not supported together with the mask (``ValueError``): ``beta != 0``, the entropy
-    bonus, ``off_policy_mask_threshold``, ``top_entropy_quantile < 1``, the
-    ``cispo`` / ``sapo`` / ``vespo`` / ``luspo`` losses, Liger, transformers continuous
-    batching / paged generation. ``vllm_importance_sampling_correction`` is forced to
-    False: the mask's IS weight ``min(pi/mu, is_cap)`` already corrects for mu, and TRL's
-    correction would cost an extra forward per batch.
+    Every TRL option that changes the objective is honoured or refused (``ValueError``
+    naming it) by :mod:`.options`, the one place that decides (``docs/trl.md`` has the table).
     """
 
     mask_mode: str = field(
@@ -56,15 +56,41 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_delta_high: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with positive advantage (default: the mode's)."})
-    rollout_top_k: int = field(
-        default=20,
+    rollout_top_k: int | None = field(
+        default=None,
         metadata={"help": "K: top log-probs captured per generated token (vLLM logprobs=K; a vLLM server must "
-                          "allow it with --max-logprobs >= K). 0 captures only the sampled token's log-prob "
-                          "(enough for grpo, none, dppo-binary-*)."})
+                          "allow it with --max-logprobs >= K). Default: 20 for the *-topk-* modes, 0 (only the "
+                          "sampled token's log-prob) for grpo, none, dppo-binary-*. Must not exceed the "
+                          "vocabulary size (checked when the trainer is built)."})
     is_cap: float = field(
-        default=5.0,
+        default=IS_CAP_DEFAULT,
         metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes); the dual-clip constant in grpo "
                           "mode. inf disables it."})
+    is_level: str | None = field(
+        default="token",
+        metadata={"help": "IS weight of the dppo/pdm modes (pdmask.corrections): 'token' (min(pi/mu, is_cap), the "
+                          "default), 'sequence' (the product over the sequence), None (no weight). With use_vllm and "
+                          "vllm_importance_sampling_correction=True, TRL's vllm_importance_sampling_mode sets it "
+                          "instead."})
+    is_floor: float | None = field(
+        default=None,
+        metadata={"help": "Lower bound of the IS weight (truncate, or mask with is_mask). None: no lower bound."})
+    is_mask: bool = field(
+        default=False,
+        metadata={"help": "Mask tokens (is_level='token': IcePop) or sequences whose weight lies outside "
+                          "[is_floor, is_cap] instead of truncating the weight (MIS)."})
+    is_batch_normalize: bool = field(
+        default=False,
+        metadata={"help": "Divide the IS weights by their mean over the micro-batch's response tokens (token level) "
+                          "or sequences (verl's rollout_is_batch_normalize)."})
+    rejection: str | None = field(
+        default=None,
+        metadata={"help": "Rejection rules, comma-separated (verl's rollout_rs names): token_k1..3, seq_sum_k1..3, "
+                          "seq_mean_k1..3 (seq_mean_k1 = Geo-RS), seq_max_k2/k3."})
+    rejection_threshold: str | None = field(
+        default=None,
+        metadata={"help": "One threshold per rule or one shared (verl's rollout_rs_threshold): a number, or "
+                          "'lo_hi' for the k1 rules."})
     mask_chunk_size: int | None = field(
         default=None,
         metadata={"help": "Rows per chunk of the vocabulary reductions (default: 16M elements per chunk)."})
@@ -80,10 +106,15 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
         if "full" in mode.needs:
             raise ValueError(f"mask_mode: {self.mask_mode!r} needs the generator's full logits, which neither vLLM "
                              "nor generate() report; use a *-topk-* mode")
-        if "topk" in mode.needs and (not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 1):
-            raise ValueError(f"rollout_top_k: mode {self.mask_mode!r} needs K >= 1, got {self.rollout_top_k!r}")
+        if "batch" in mode.needs:
+            raise ValueError(f"mask_mode: {self.mask_mode!r} needs the model-aware batch direction "
+                             "(pdmask.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
+        if self.rollout_top_k is None:
+            self.rollout_top_k = DEFAULT_TOP_K if "topk" in mode.needs else 0
         if isinstance(self.rollout_top_k, bool) or not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 0:
             raise ValueError(f"rollout_top_k: must be a non-negative int, got {self.rollout_top_k!r}")
+        if "topk" in mode.needs and self.rollout_top_k < 1:
+            raise ValueError(f"rollout_top_k: mode {self.mask_mode!r} needs K >= 1, got {self.rollout_top_k!r}")
         if self.mask_estimator not in ESTIMATORS:
             raise ValueError(f"mask_estimator: unknown value {self.mask_estimator!r}; valid values are: "
                              f"{', '.join(ESTIMATORS)}")
@@ -93,29 +124,23 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                 raise ValueError(f"{name}: must be a positive finite number or None, got {v!r}")
         if not isinstance(self.is_cap, (int, float)) or not self.is_cap > 0:
             raise ValueError(f"is_cap: must be a positive number (inf disables), got {self.is_cap!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type: {self.loss_type!r} is not supported with a trust-region mask; valid values "
-                             f"are: {', '.join(LOSS_TYPES)}")
-        bad = [
-            ("beta", self.beta != 0.0, "the KL-to-reference term is not supported; set beta=0.0"),
-            ("entropy_coef", self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-             "the entropy bonus is not supported; set entropy_coef=0.0, use_adaptive_entropy=False"),
-            ("off_policy_mask_threshold", self.off_policy_mask_threshold is not None,
-             "TRL's off-policy sequence mask is replaced by the trust-region mask; leave it None"),
-            ("top_entropy_quantile", self.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask"),
-            ("use_liger_kernel", bool(getattr(self, "use_liger_kernel", False)), "Liger's fused loss is not used"),
-            ("use_transformers_continuous_batching",
-             bool(self.use_transformers_continuous_batching) or bool(self.use_transformers_paged),
-             "continuous batching reports no per-step scores; use generate() or vLLM"),
-        ]
-        for name, is_bad, why in bad:
-            if is_bad:
-                raise ValueError(f"{name}: {why}")
-        if self.top_p < 1.0 or (self.top_k or 0) > 0 or self.min_p is not None:
+        if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
+            self.is_level = None  # from the command line
+        options.check(self)
+        options.check_mask_options(self)
+        options.check_corrections(self)
+        gk = self.generation_kwargs or {}
+        if self.repetition_penalty != 1.0 or gk.get("repetition_penalty", 1.0) != 1.0:
             warnings.warn(
-                "top_p / top_k / min_p truncation: mu (the truncated, renormalised sampling distribution) differs "
-                "from pi = softmax(logits / T) even with identical weights, so ratios and divergences include the "
-                "truncation gap and masks fire on-policy. RL recipes sample with top_p=1, top_k=0.",
+                "repetition_penalty: mu (the distribution the generator samples from, penalised) differs from "
+                "pi = softmax(logits / T) even with identical weights, so ratios and divergences include that gap "
+                "and masks fire on-policy. RL recipes sample with repetition_penalty=1.",
                 UserWarning, stacklevel=3)
-        # The mask's IS weight corrects for mu; TRL's own correction would need an extra forward.
-        self.vllm_importance_sampling_correction = False
+        samp = options.sampling(self)
+        if not self.use_vllm and samp["sampling_min_p"] is not None and (
+                samp["sampling_top_k"] is not None or samp["sampling_top_p"] is not None):
+            warnings.warn(
+                "min_p: generate() applies min-p after top-k / top-p, the loss rebuilds the kept set in vLLM's order "
+                "(min-p first); where the two sets differ, pdmask/kept_set_sampled_outside_frac and "
+                "pdmask/kept_set_topk_mismatch_frac report it. Use min_p alone, or vLLM.",
+                UserWarning, stacklevel=3)

@@ -35,6 +35,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 from ... import policy_loss
 from ...formats.topk import RolloutTopK
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
+from . import options
 from .capture import TopKRecorder
 from .config import PDMaskGRPOConfig
 
@@ -69,6 +70,10 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
         self._pdmask_rollout: RolloutTopK | None = None
         super().__init__(*args_, **kwargs)
+        vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
+        if vocab is not None and a.rollout_top_k > vocab:
+            raise ValueError(f"rollout_top_k: K={a.rollout_top_k} exceeds the model's vocabulary size {vocab}; "
+                             f"set rollout_top_k <= {vocab}")
         if self.use_vllm:
             self.vllm_generation.logprobs = a.rollout_top_k
             if self.vllm_mode == "server" and self.accelerator.is_main_process:
@@ -159,8 +164,9 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                     "loss_scale_factor": self.max_completion_length}, ga
         raise ValueError(f"loss_type: {lt!r} is not supported by the pdmask trainer")
 
-    def _completion_logits(self, model, inputs) -> torch.Tensor:
-        """(B, T, V) logits predicting the completion tokens (ordinary forward, not the fused head)."""
+    def _completion_logits(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, V) logits predicting the completion tokens (ordinary forward, not the fused head), and
+        the MoE load-balancing loss when TRL would add it (``aux_loss_enabled``), else None."""
         comp = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], comp], 1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
@@ -170,10 +176,12 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         # shift-invariant only up to float rounding (a measurable mismatch, up to 1e-2 in
         # log-probs on the test model) and absolute position embeddings are simply wrong.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=T + 1, use_cache=False)
-        return out.logits[:, -(T + 1):-1, :]  # position P-1+t predicts completion token t
+                        logits_to_keep=T + 1, use_cache=False, **extra)
+        aux = out.aux_loss if self.aux_loss_enabled else None
+        return out.logits[:, -(T + 1):-1, :], aux  # position P-1+t predicts completion token t
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -184,23 +192,65 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
-        logits = self._completion_logits(model, inputs)
+        logits, aux_loss = self._completion_logits(model, inputs)
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
         res = policy_loss(
             logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
             inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask,
             mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
-            delta_high=a.mask_delta_high, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
-            is_cap=a.is_cap, temperature=self.temperature, chunk_size=a.mask_chunk_size,
-            validate=a.mask_validate, **agg)
-        self._log_pdmask_metrics(mode, res.metrics)
-        return res.loss / divisor
+            delta_high=a.mask_delta_high, temperature=self.temperature, chunk_size=a.mask_chunk_size,
+            validate=a.mask_validate, **options.loss_kwargs(a), **options.sampling(a), **agg)
+        self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
+        loss = res.loss / divisor
+        if aux_loss is not None:  # as TRL adds the MoE router loss: coef x aux / GA
+            loss = loss + self.router_aux_loss_coef * aux_loss / (
+                self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+            aux = self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item()
+            self._metrics[mode]["aux_loss"].append(aux)
+        return loss
 
-    def _log_pdmask_metrics(self, mode: str, metrics: dict) -> None:
-        """One gather for all metrics; counts are summed over processes, the rest averaged."""
-        names = sorted(metrics)
-        local = torch.stack([metrics[n].float() for n in names]).to(self.accelerator.device)
-        allv = self.accelerator.gather(local[None]).reshape(-1, len(names))  # (world, M)
+    def _log_pdmask_metrics(self, mode: str, res, mask: torch.Tensor, advantages: torch.Tensor) -> None:
+        """pdmask's metrics under ``pdmask/`` (counts summed over processes, the rest averaged), and
+        TRL's own ``entropy`` and ``clip_ratio/*`` keys with the same reductions TRL uses
+        (token-weighted over all processes; min / max over the gathered per-sequence values).
+
+        ``entropy``: of pi = softmax(logits / T), as TRL's. ``clip_ratio/*``: the tokens the
+        objective zeroes (the mask, and in grpo mode also the dual clip), split by the sign
+        of A as TRL splits its clipped tokens: ``low`` = A < 0, ``high`` = A > 0,
+        ``region`` = both. In grpo mode this is TRL's definition with r = pi/mu.
+        """
+        m = res.metrics
+        names = sorted(m)
+        valid = mask.bool()
+        adv = advantages[:, None].expand_as(valid) if advantages.dim() == 1 else advantages
+        cut = ~res.mask & valid
+        low, high = cut & (adv < 0), cut & (adv > 0)
+        ent = torch.where(valid, res.stats["entropy"].detach().float(), torch.zeros_like(valid, dtype=torch.float32))
+        sums = torch.stack([ent.sum(), low.sum().float(), high.sum().float(), cut.sum().float(),
+                            valid.sum().float()])
+        local = torch.cat([torch.stack([m[n].float() for n in names]), sums.to(ent.device)])
+        local = local.to(self.accelerator.device)
+        allv = self.accelerator.gather(local[None]).reshape(-1, local.shape[0])  # (world, M + 5)
         summed, mean = allv.sum(0).tolist(), allv.mean(0).tolist()
         for i, n in enumerate(names):
             self._metrics[mode][f"pdmask/{n}"].append(summed[i] if n in _COUNT_METRICS else mean[i])
+        e_sum, low_n, high_n, cut_n, n_tok = summed[len(names):]
+        n_tok = max(n_tok, 1.0)
+        self._metrics[mode]["entropy"].append(e_sum / n_tok)
+        self._metrics[mode]["clip_ratio/low_mean"].append(low_n / n_tok)
+        self._metrics[mode]["clip_ratio/high_mean"].append(high_n / n_tok)
+        self._metrics[mode]["clip_ratio/region_mean"].append(cut_n / n_tok)
+        per_seq = torch.stack([low.sum(-1), high.sum(-1)]).float() / valid.sum(-1).float()  # (2, B); NaN: empty
+        per_seq = self.accelerator.gather(per_seq.T.contiguous().to(self.accelerator.device))  # (world * B, 2)
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(per_seq[:, 0]))
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(per_seq[:, 1]))
+
+
+def nanmin(x: torch.Tensor) -> float:
+    x = x[~torch.isnan(x)]
+    return float(x.min()) if x.numel() else float("nan")
+
+
+def nanmax(x: torch.Tensor) -> float:
+    x = x[~torch.isnan(x)]
+    return float(x.max()) if x.numel() else float("nan")

@@ -1,7 +1,7 @@
 """verl (0.9.1) plugin: pdmask trust-region masks as verl policy losses, plus the plumbing
 verl lacks for the top-K and predictive modes.
 
-Loaded by verl itself: ``pip install 'pdmask[verl]'`` installs the entry point
+Loaded by verl itself: ``pip install -e '.[verl]'`` (from a checkout) installs the entry point
 ``pdmask = pdmask.integrations.verl.plugin`` in the ``verl.plugins`` group, and
 ``import verl`` imports every module of that group (``verl/__init__.py``; verl logs a
 failing plugin at DEBUG level only, so check with :func:`check_registered`).

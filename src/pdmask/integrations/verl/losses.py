@@ -63,6 +63,10 @@ TOPK_STAT_KEYS = (
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
                                                                              default=None)
+#: Set by the pdmask training engine around a training micro-batch that carries no rollout
+#: top-K, so that a top-K loss can say which half of the setup is missing.
+_ENGINE_WITHOUT_TOPK: contextvars.ContextVar[bool] = contextvars.ContextVar("pdmask_verl_engine_without_topk",
+                                                                            default=False)
 
 
 def loss_name(mode: str, estimator: str = "exact") -> str:
@@ -97,6 +101,17 @@ def rollout_stats(stats: dict[str, torch.Tensor]):
         _ROLLOUT_STATS.reset(token)
 
 
+@contextlib.contextmanager
+def engine_without_topk():
+    """Mark one ``ppo_loss`` call as coming from the pdmask engine on a micro-batch without the
+    rollout top-K (the error of a top-K loss then names the rollout, not the engine)."""
+    token = _ENGINE_WITHOUT_TOPK.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_WITHOUT_TOPK.reset(token)
+
+
 # ------------------------------------------------------------------ statistics
 def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
                  response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,6 +139,11 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
     """The statistics of the top-K modes: the actor hook's (B, T) tensors plus the ratio
     ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``."""
     st = _ROLLOUT_STATS.get()
+    if st is None and _ENGINE_WITHOUT_TOPK.get():
+        raise ValueError(
+            "actor_rollout_ref.rollout.name: the micro-batch carries no pdmask top-K arrays (pdmask_topk_ids, ...) "
+            "although the pdmask training engine runs; generate with actor_rollout_ref.rollout.name=pdmask_vllm "
+            "(see docs/verl.md)")
     if st is None:
         raise ValueError(
             "config: a pdmask top-K loss_mode needs the per-token statistics of the pdmask training engine; "
@@ -171,11 +191,17 @@ def masked_policy_loss(
     rollout_is_weights: torch.Tensor | None,
     *,
     has_entropy: bool,
+    replace_weight: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """pdmask mask + DPPO surrogate on verl's (B, T) tensors, aggregated by verl's ``agg_loss``.
 
-    ``loss = agg_loss(-M * sg(min(r, C)) * A * log pi_k [* rollout_is_weights])`` with
-    ``M`` from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
+    Binary modes: ``loss = agg_loss(-M * sg(min(r, C)) * A * log pi_k [* rollout_is_weights])``
+    (r against ``old_log_prob``, verl's three-policy decoupled form when it passes weights).
+    Top-K modes: ``loss = agg_loss(-M * sg(w) * A * log pi_k)`` with ``w = min(pi_k/mu_k, C)``,
+    or, when verl passes ``rollout_is_weights`` (``algorithm.rollout_correction.rollout_is``
+    in decoupled mode), ``w = rollout_is_weights`` in its place: verl's token / sequence TIS
+    or MIS weight against the same mu (a weight of 0, verl's MIS, masks the token). ``M``
+    from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
     """
     from verl.trainer.ppo.core_algos import agg_loss
 
@@ -185,13 +211,21 @@ def masked_policy_loss(
     adv = torch.where(valid, advantages.to(log_prob.dtype), torch.zeros_like(log_prob))
     res = mask_from_stats(stats, adv, mode, estimator=estimator, thresholds=th)
     keep = res.keep & valid
+    weight = None
+    if rollout_is_weights is not None and replace_weight:
+        weight = torch.where(valid, rollout_is_weights.detach().to(log_prob.dtype), torch.zeros_like(log_prob))
+        keep = keep & (weight > 0)  # verl's MIS zeroes the weight where pdmask's is_mask masks
     per, keep_eff = token_loss(log_prob, stats["log_ratio"], adv, keep, surrogate=mode.surrogate,
-                               is_cap=float(config.clip_ratio_c))
-    if rollout_is_weights is not None:
+                               is_cap=float(config.clip_ratio_c), weight=weight)
+    if rollout_is_weights is not None and not replace_weight:
         per = per * rollout_is_weights
     loss = agg_loss(loss_mat=per, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
                     **config.global_batch_info)
     m = mask_metrics(res, keep_eff, stats, adv, valid)
+    if weight is not None:
+        n = valid.sum().clamp(min=1)
+        m["is_weight_mean"] = (weight.sum() / n).detach()
+        m["masked_frac_is"] = ((weight <= 0) & valid).sum().to(log_prob.dtype).div(n).detach()
     if not has_entropy:
         m.pop("entropy_mean")
     metrics: dict[str, Any] = {f"pdmask/{k}": v for k, v in m.items()}
@@ -224,17 +258,19 @@ def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
             raise ValueError(f"old_log_prob/advantages: expected shape {tuple(log_prob.shape)}, got "
                              f"{tuple(old_log_prob.shape)} / {tuple(advantages.shape)}")
         if topk:
-            if rollout_is_weights is not None:
-                raise ValueError(
-                    "rollout_is_weights: the top-K modes already weight by min(pi/mu, C) against the rollout "
-                    "policy mu; unset algorithm.rollout_correction.rollout_is")
+            # verl's rollout_is_weights (decoupled mode) replace the weight min(pi/mu, C): both are
+            # IS weights against the same rollout mu, so the product would count the mismatch twice
             stats = topk_stats(log_prob, response_mask)
             has_entropy = "entropy" in (_ROLLOUT_STATS.get() or {})
         else:
             stats = binary_stats(log_prob, old_log_prob, response_mask)
             has_entropy = False
+        if rollout_is_weights is not None and tuple(rollout_is_weights.shape) != tuple(log_prob.shape):
+            raise ValueError(f"rollout_is_weights: expected shape {tuple(log_prob.shape)}, got "
+                             f"{tuple(rollout_is_weights.shape)}")
         return masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
-                                  loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy)
+                                  loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy,
+                                  replace_weight=topk)
 
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(mode_name, estimator)
     policy_loss.__doc__ = f"pdmask mode {mode_name!r} (estimator {estimator!r}) as a verl policy loss."

@@ -46,10 +46,14 @@ def register_engine() -> None:
 
 
 def register() -> None:
-    """Register the losses, the rollout replica and the training engine with verl (idempotent)."""
+    """Register the losses, the rollout replica and the training engine with verl, and the
+    driver-side config check (:mod:`.config_check`) (idempotent)."""
+    from . import config_check
+
     register_losses()
     register_rollout()
     register_engine()
+    config_check.install()
 
 
 def check_registered() -> dict[str, bool]:
@@ -62,7 +66,14 @@ def check_registered() -> dict[str, bool]:
         "losses": all(n in POLICY_LOSS_REGISTRY for n in registered_names()),
         "rollout": REPLICA_NAME in RolloutReplicaRegistry._registry,
         "engine": MODEL_TYPE in EngineRegistry._engines,
+        "config_check": _config_check_installed(),
     }
+
+
+def _config_check_installed() -> bool:
+    import verl.utils.config as vcfg
+
+    return bool(getattr(vcfg.validate_config, "__pdmask_wrapped__", False))
 
 
 __all__ = ["check_registered", "register", "register_engine", "register_rollout"]

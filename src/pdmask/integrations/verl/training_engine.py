@@ -9,7 +9,7 @@ from __future__ import annotations
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from .actor import PdmaskLossFunction, has_rollout_topk
+from .actor import NoTopKLossFunction, PdmaskLossFunction, has_rollout_topk
 
 
 class PdmaskFSDPEngine(FSDPEngineWithLMHead):
@@ -29,4 +29,6 @@ class PdmaskFSDPEngine(FSDPEngineWithLMHead):
             # top-K distillation); the wrapper answers both calls.
             tu.assign_non_tensor(micro_batch, distillation_use_topk=True)
             loss_function = PdmaskLossFunction(loss_function)
+        elif loss_function is not None and not forward_only:
+            loss_function = NoTopKLossFunction(loss_function)
         return super().forward_step(micro_batch, loss_function, forward_only)

@@ -1,0 +1,322 @@
+"""What the pdmask trainer does with every TRL 1.16 ``GRPOConfig`` option that changes the objective.
+
+The pdmask trainer replaces TRL's policy loss with :func:`pdmask.policy_loss`, anchored on
+the rollout policy mu the generator reports. Each TRL option that shapes TRL's loss is
+therefore either **honoured** (it means the same here; :func:`loss_kwargs` maps it) or
+**refused** at config time: :func:`check` raises a one-line ``ValueError`` that starts
+with the option's name. This module is the one place that decides; :data:`OPTIONS` is the
+table (``docs/trl.md`` lists it), :data:`NEUTRAL` the TRL fields that do not touch the
+objective, and a test checks that every ``GRPOConfig`` field of TRL is in one of the two.
+
+Off-policy corrections go through the core (:mod:`pdmask.corrections`): TRL's own
+``vllm_importance_sampling_*`` and ``off_policy_mask_threshold`` where they map exactly,
+pdmask's ``is_*`` / ``rejection*`` fields of the config otherwise (:func:`loss_kwargs`);
+TRL's ``top_k`` / ``top_p`` / ``min_p`` become the loss's truncated-sampling arguments
+(:func:`sampling`).
+
+Imports TRL only to read its defaults (:func:`trl_default`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable
+
+from ... import MODES
+
+#: TRL ``loss_type`` values whose aggregation the trainer reproduces.
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+
+
+@cache
+def _trl_defaults() -> dict[str, Any]:
+    from trl import GRPOConfig
+
+    out = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def trl_default(name: str) -> Any:
+    """TRL's default value of a ``GRPOConfig`` field."""
+    return _trl_defaults()[name]
+
+
+def _changed(args, name: str) -> bool:
+    return getattr(args, name) != trl_default(name)
+
+
+def _grpo(args) -> bool:
+    return args.mask_mode == "grpo"
+
+
+#: pdmask's default IS cap (``PDMaskGRPOConfig.is_cap``).
+IS_CAP_DEFAULT = 5.0
+
+
+def _refuse_delta(a) -> str | None:
+    if a.delta is None:
+        return None
+    if not _grpo(a):
+        return "two-sided clipping applies to mask_mode='grpo' only; the dppo/pdm modes cap the IS weight with is_cap"
+    if a.is_cap not in (IS_CAP_DEFAULT, a.delta):
+        return f"and is_cap={a.is_cap} both set the grpo dual clip; set one of them"
+    eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+    if not a.delta > 1 + eps_high:
+        return f"must be greater than 1 + epsilon_high = {1 + eps_high}, got {a.delta}"
+    return None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One TRL option: ``name``, ``treatment`` (``honoured`` / ``refused`` / ``refused unless ...``),
+    ``how`` (one line for the docs) and ``refuse(args) -> reason | None``."""
+
+    name: str
+    treatment: str
+    how: str
+    refuse: Callable[[Any], str | None] | None = None
+
+
+def _when(cond: Callable[[Any], bool], reason: str) -> Callable[[Any], str | None]:
+    return lambda a: reason if cond(a) else None
+
+
+#: TRL's vllm_importance_sampling_mode -> (is_level, is_mask).
+VLLM_IS_MODES = {"token_truncate": ("token", False), "token_mask": ("token", True),
+                 "sequence_truncate": ("sequence", False), "sequence_mask": ("sequence", True)}
+#: pdmask's own IS-weight fields, which TRL's vLLM correction sets when it is on (with their defaults).
+IS_FIELDS = {"is_level": "token", "is_floor": None, "is_mask": False, "is_cap": IS_CAP_DEFAULT}
+
+
+def vllm_is_on(a) -> bool:
+    """TRL applies its vLLM IS correction (and so does the pdmask trainer, in its place)."""
+    return bool(a.use_vllm and a.vllm_importance_sampling_correction)
+
+
+def _refuse_vllm_is(a) -> str | None:
+    if not vllm_is_on(a):
+        return None
+    if _grpo(a):
+        return ("mask_mode='grpo' already weights by its ratio pi/mu against the vLLM sampler mu (a second weight "
+                "would count it twice); set vllm_importance_sampling_correction=False")
+    if a.vllm_importance_sampling_mode not in VLLM_IS_MODES:
+        return None  # TRL's own config refuses an unknown mode first
+    set_ = [n for n, d in IS_FIELDS.items() if getattr(a, n) != d]
+    if set_:
+        return (f"and {', '.join(set_)} both set the IS weight; set vllm_importance_sampling_correction=False to "
+                f"use pdmask's {', '.join(set_)}, or leave {'them' if len(set_) > 1 else 'it'} at the default")
+    return None
+
+
+def _refuse_unless_vllm_is(name: str) -> Callable[[Any], str | None]:
+    def refuse(a):
+        if vllm_is_on(a) or not _changed(a, name):
+            return None
+        return ("has no effect unless use_vllm=True and vllm_importance_sampling_correction=True (as in TRL); "
+                "leave it at TRL's default, or set pdmask's is_level / is_mask / is_floor / is_cap")
+    return refuse
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("loss_type", "honoured for dapo, bnpo, grpo, dr_grpo",
+           "aggregation of the per-token loss as TRL normalises it (token sum over the generation batch, "
+           "local token mean, per-sequence mean, sum / (B x max_completion_length))",
+           lambda a: None if a.loss_type in LOSS_TYPES else
+           f"{a.loss_type!r} is not supported with a trust-region mask; valid values are: {', '.join(LOSS_TYPES)}"),
+    Option("epsilon", "honoured in mask_mode='grpo', refused otherwise",
+           "grpo: the clip range [1 - epsilon, 1 + epsilon_high] of r = pi/mu",
+           _when(lambda a: not _grpo(a) and _changed(a, "epsilon"),
+                 "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
+                 "leave it at TRL's default or use mask_mode='grpo'")),
+    Option("epsilon_high", "honoured in mask_mode='grpo', refused otherwise", "grpo: the upper clip (clip-higher)",
+           _when(lambda a: not _grpo(a) and a.epsilon_high is not None,
+                 "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
+                 "leave it unset or use mask_mode='grpo'")),
+    Option("delta", "honoured in mask_mode='grpo', refused otherwise",
+           "grpo: TRL's two-sided clip caps the ratio of A < 0 tokens at delta -- the same objective as "
+           "pdmask's dual clip, so is_cap = delta", _refuse_delta),
+    Option("importance_sampling_level", "honoured for 'token', refused for 'sequence'",
+           "the mask, the ratio and the IS weight are per token",
+           _when(lambda a: a.importance_sampling_level != "token",
+                 "sequence-level ratios (GSPO) are not supported: the trust-region mask is per token; "
+                 "set importance_sampling_level='token'")),
+    Option("beta", "refused unless 0", "no KL-to-reference term",
+           _when(lambda a: a.beta != 0.0, "the KL-to-reference term is not supported; set beta=0.0")),
+    Option("entropy_coef", "refused unless 0", "no entropy bonus",
+           _when(lambda a: a.entropy_coef != 0.0, "the entropy bonus is not supported; set entropy_coef=0.0")),
+    Option("use_adaptive_entropy", "refused unless False", "no entropy bonus",
+           _when(lambda a: a.use_adaptive_entropy,
+                 "the entropy bonus is not supported; set use_adaptive_entropy=False")),
+    Option("off_policy_mask_threshold", "honoured",
+           "DeepSeek-V3.2's off-policy sequence mask after the trust-region mask "
+           "(pdmask.policy_loss(off_policy_mask_threshold=delta)), every mode"),
+    Option("top_entropy_quantile", "refused unless 1.0", "every token is trained",
+           _when(lambda a: a.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask")),
+    Option("vllm_importance_sampling_correction",
+           "honoured with use_vllm=True in the dppo/pdm modes, refused with mask_mode='grpo' (a no-op without "
+           "vLLM, as in TRL)",
+           "TRL's mode and bounds choose the IS weight against the vLLM sampler mu in place of min(pi/mu, is_cap) "
+           "(is_level / is_mask / is_floor / is_cap, see vllm_importance_sampling_mode)", _refuse_vllm_is),
+    Option("vllm_importance_sampling_mode", "honoured with the correction on (see above), refused otherwise "
+           "unless TRL's default",
+           "token_truncate: is_level='token'; sequence_truncate: is_level='sequence'; token_mask / sequence_mask: "
+           "the same with is_mask=True (MIS; IcePop at token level)", _refuse_unless_vllm_is("vllm_importance_sampling_mode")),
+    # _cap: TRL copies the deprecated _cap into _clip_max; both are checked as _clip_max
+    *(Option(name, "honoured with the correction on (see above), refused otherwise unless TRL's default", how,
+             _refuse_unless_vllm_is(name))
+      for name, how in (("vllm_importance_sampling_cap", "deprecated TRL alias of vllm_importance_sampling_clip_max"),
+                        ("vllm_importance_sampling_clip_max", "is_cap (None: no upper bound)"),
+                        ("vllm_importance_sampling_clip_min", "is_floor (None or 0: no lower bound)"))),
+    Option("vllm_structured_outputs_regex", "refused unless None",
+           "guided decoding changes the sampler's distribution; not verified with the captured log-probs",
+           _when(lambda a: a.vllm_structured_outputs_regex is not None,
+                 "structured outputs are not supported by the pdmask trainer (not verified that vLLM's reported "
+                 "log-probs include the grammar mask)")),
+    Option("use_liger_kernel", "refused unless False", "Liger's fused loss is not used",
+           _when(lambda a: bool(getattr(a, "use_liger_kernel", False)), "Liger's fused loss is not used")),
+    # _paged first: TRL turns the deprecated use_transformers_paged into continuous batching
+    Option("use_transformers_paged", "refused unless False", "as use_transformers_continuous_batching",
+           _when(lambda a: bool(a.use_transformers_paged),
+                 "paged generation reports no per-step scores; use generate() or vLLM")),
+    Option("use_transformers_continuous_batching", "refused unless False",
+           "continuous batching reports no per-step scores",
+           _when(lambda a: bool(a.use_transformers_continuous_batching),
+                 "continuous batching reports no per-step scores; use generate() or vLLM")),
+    Option("router_aux_loss_coef", "honoured", "MoE load-balancing loss added as TRL adds it (coef x aux / GA)"),
+    Option("num_iterations", "honoured", "updates per generation batch; the anchor stays mu (the mask acts)"),
+    Option("steps_per_generation", "honoured", "dapo normaliser, as in TRL"),
+    Option("generation_batch_size", "honoured", "dapo normaliser, as in TRL"),
+    Option("max_completion_length", "honoured", "dr_grpo normaliser, as in TRL"),
+    Option("temperature", "honoured", "pi = softmax(logits / T), the generator's T"),
+    Option("top_p", "honoured",
+           "truncated sampling: mu is renormalised over the kept set, so pi is too, over the set rebuilt from the "
+           "same parameters (pdmask.policy_loss(sampling_top_p=...))"),
+    Option("top_k", "honoured", "as top_p (sampling_top_k)"),
+    Option("min_p", "honoured (warns with top_k / top_p on the generate() path)",
+           "as top_p (sampling_min_p); the kept set is rebuilt in vLLM's order (min-p first), generate() applies "
+           "min-p last"),
+    Option("repetition_penalty", "honoured (warns)", "mu includes the penalty, pi does not"),
+    Option("generation_kwargs", "honoured", "part of the generation config the capture reads"),
+    Option("mask_truncated_completions", "honoured", "TRL zeroes their completion mask"),
+    Option("scale_rewards", "honoured", "TRL's advantages are used as they are"),
+    Option("reward_weights", "honoured", "as scale_rewards"),
+    Option("multi_objective_aggregation", "honoured", "as scale_rewards"),
+    Option("num_generations", "honoured", "as scale_rewards (group size)"),
+    Option("cast_lm_head_to_fp32", "honoured", "TRL casts the model's lm_head; the loss forward uses it"),
+    Option("disable_dropout", "honoured", "TRL changes the model; the loss forward uses it"),
+    Option("use_vllm", "honoured", "top-K from vLLM logprobs=K (colocate or server)"),
+    Option("vllm_mode", "honoured", "as use_vllm"),
+)
+
+#: TRL fields that do not change the objective (or only together with a refused option).
+NEUTRAL: dict[str, str] = {
+    **dict.fromkeys(("model_init_kwargs", "trust_remote_code", "ds3_gather_for_generation", "shuffle_dataset",
+                     "pad_to_multiple_of", "chat_template_kwargs", "cache_implementation", "num_generations_eval"),
+                    "model loading, data order, padding, evaluation"),
+    **dict.fromkeys(("vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+                     "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+                     "vllm_max_model_length", "vllm_tensor_parallel_size"), "where and how vLLM runs"),
+    **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), "used by loss_type='sapo' only (refused)"),
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    "used by loss_type='vespo' only (refused)"),
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "use_bias_correction_kl"),
+                    "used with beta != 0 only (refused)"),
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+                    "used with use_adaptive_entropy only (refused)"),
+    **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+                     "log_completions_hub_repo"), "logging"),
+    "max_tool_calling_iterations": "tools are refused by the trainer",
+    "transformers_continuous_batching_config": "continuous batching is refused",
+}
+
+
+def check(args) -> None:
+    """Refuse, with a one-line ``ValueError`` naming the option, every TRL option the trainer cannot honour."""
+    for opt in OPTIONS:
+        why = opt.refuse(args) if opt.refuse is not None else None
+        if why:
+            raise ValueError(f"{opt.name}: {why}")
+
+
+def check_mask_options(args) -> None:
+    """pdmask's own options that a mode would not use."""
+    mode = MODES[args.mask_mode]
+    if mode.surrogate == "ppo-clip":
+        for name in ("mask_delta_low", "mask_delta_high"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name}: not used by mask_mode={args.mask_mode!r} (its region is the ratio clip "
+                                 "epsilon / epsilon_high); leave it None")
+
+
+def _is_kwargs(args) -> dict[str, Any]:
+    """The IS weight: TRL's vLLM correction when it is on (:data:`VLLM_IS_MODES`), else pdmask's
+    ``is_*`` fields. TRL's bounds: ``clip_max`` None = no upper bound (``is_cap=inf``),
+    ``clip_min`` None or 0 = no lower bound (a ratio is never below 0)."""
+    if vllm_is_on(args) and not _grpo(args):
+        level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
+        hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+        return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else float(hi),
+                "is_floor": float(lo) if lo else None}
+    is_cap = float(args.delta) if (_grpo(args) and args.delta is not None) else float(args.is_cap)
+    return {"is_level": args.is_level, "is_mask": args.is_mask, "is_cap": is_cap,
+            "is_floor": None if args.is_floor is None else float(args.is_floor)}
+
+
+def loss_kwargs(args) -> dict[str, Any]:
+    """The honoured TRL knobs and pdmask's correction fields as :func:`pdmask.policy_loss`
+    arguments: the grpo clip range, the IS weight (pdmask's ``is_*`` or TRL's vLLM
+    correction; ``delta`` is the dual clip in grpo mode), the rejection rules and the
+    off-policy sequence mask."""
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    kw = {"eps_low": float(args.epsilon), "eps_high": float(eps_high), **_is_kwargs(args),
+          "is_batch_normalize": args.is_batch_normalize, "rejection": args.rejection or None,
+          "rejection_threshold": args.rejection_threshold if args.rejection_threshold != "" else None,
+          "off_policy_mask_threshold": args.off_policy_mask_threshold}
+    if not (kw["is_cap"] > 0 and not math.isnan(kw["is_cap"])):
+        raise ValueError(f"is_cap: must be a positive number (inf disables), got {kw['is_cap']!r}")
+    return kw
+
+
+def _off(v, *off) -> Any:
+    return None if v is None or v in off else v
+
+
+def sampling(args) -> dict[str, Any]:
+    """The generator's truncation (``top_k`` / ``top_p`` / ``min_p``; ``generation_kwargs`` wins,
+    as it does in TRL) as :func:`pdmask.policy_loss`'s ``sampling_*`` arguments, None = off."""
+    gk = args.generation_kwargs or {}
+    return {"sampling_top_k": _off(gk.get("top_k", args.top_k), 0, -1),
+            "sampling_top_p": _off(gk.get("top_p", args.top_p), 1.0),
+            "sampling_min_p": _off(gk.get("min_p", args.min_p), 0.0)}
+
+
+def check_corrections(args) -> None:
+    """Check the correction and truncation arguments the loss will get (one-line errors naming
+    the field): the core's own checks, with TRL's names when TRL's vLLM correction supplied the values."""
+    from ...corrections import check_corrections as core_check
+
+    from ...ops import check_sampling
+
+    samp = sampling(args)
+    # TRL's field names (generation_kwargs' values are checked under the same names)
+    check_sampling(samp["sampling_top_k"], samp["sampling_top_p"], samp["sampling_min_p"], prefix="")
+    kw = loss_kwargs(args)
+    kw.pop("eps_low"), kw.pop("eps_high")
+    try:
+        core_check(surrogate=MODES[args.mask_mode].surrogate, **kw)
+    except ValueError as e:
+        if vllm_is_on(args):
+            raise ValueError(f"vllm_importance_sampling_clip_min / _clip_max: {e}") from None
+        raise
+
+
+__all__ = ["IS_CAP_DEFAULT", "IS_FIELDS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "VLLM_IS_MODES", "check",
+           "check_corrections", "check_mask_options", "loss_kwargs", "sampling", "trl_default", "vllm_is_on"]
