@@ -286,3 +286,22 @@ def test_cli_plan_and_errors(tmp_path, smoke_config, cli):
     r = run_cli(["ladder", "--spec", tmp_path / "missing.yaml"], cwd=tmp_path, check=False)
     assert r.returncode == 2 and "spec:" in r.stderr and "missing.yaml" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_config_diff_tolerates_fields_added_later_at_their_default(tmp_path, smoke_config):
+    from pdmask.train.ladder import config_diff
+
+    spec = load_spec(write_spec(tmp_path / "s.yaml", smoke_config))
+    cfg = plan_cells(spec, tmp_path / "out")[0].cfg
+    stored = cfg.to_dict()
+    assert config_diff(stored, cfg) == {}
+    del stored["grad_clip"]  # an older run, made before the field existed
+    assert config_diff(stored, cfg) == {}
+    stored["out_dir"], stored["progress"] = "elsewhere", True  # results-neutral keys
+    assert config_diff(stored, cfg) == {}
+    stored["lr"] = 1.0
+    assert config_diff(stored, cfg) == {"lr": (1.0, cfg.lr)}
+    from pdmask.train.config import replace
+
+    assert config_diff({k: v for k, v in cfg.to_dict().items() if k != "grad_clip"},
+                       replace(cfg, grad_clip=0.5)) == {"grad_clip": (None, 0.5)}

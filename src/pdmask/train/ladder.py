@@ -228,10 +228,19 @@ def _stored_config(run_dir: Path) -> dict | None:
 
 
 def config_diff(stored: dict, cfg: TrainConfig) -> dict:
-    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored)."""
+    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored). A key
+    the stored config lacks counts as equal when ``cfg`` holds the field's default: a
+    field added to :class:`TrainConfig` after the run was made, at the value that keeps
+    the old behaviour."""
     want = cfg.to_dict()
     keys = (set(stored) | set(want)) - set(NEUTRAL_KEYS)
-    return {k: (stored.get(k), want.get(k)) for k in sorted(keys) if stored.get(k) != want.get(k)}
+    out = {}
+    for k in sorted(keys):
+        if k not in stored and k in FIELDS and want.get(k) == FIELDS[k].default:
+            continue
+        if stored.get(k) != want.get(k):
+            out[k] = (stored.get(k), want.get(k))
+    return out
 
 
 def cell_status(cell: Cell) -> str:
