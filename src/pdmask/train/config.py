@@ -80,6 +80,10 @@ class TrainConfig:
     eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
     is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
     loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
+    batch_params: str = _f("all", "pdm-batch-* modes only: parameters of the batch direction, all or N (the last N "
+                                  "blocks + final norm + LM head: the cheaper variant)")
+    batch_method: str = _f("auto", "pdm-batch-* modes only: how the batch direction's J v is computed: auto "
+                                   "(forward mode, double backward if the model lacks it), jvp, double-backward")
     # ---------------------------------------------------------------- engine
     engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
     engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
@@ -108,6 +112,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
+        from ..batchmask import METHODS
         from ..directions import ESTIMATORS
         from .._validate import LOSS_AGGS
         from ..engine.precision import PRECISIONS
@@ -115,7 +120,7 @@ class TrainConfig:
 
         choices = {"arch": ("llama", "qwen3"), "task": ("arithmetic", "jsonl"), "mode": tuple(MODES),
                    "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
-                   "engine": tuple(engine_names())}
+                   "engine": tuple(engine_names()), "batch_method": METHODS}
         for k, valid in choices.items():
             if getattr(self, k) not in valid:
                 raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
@@ -149,6 +154,10 @@ class TrainConfig:
             raise ValueError(f"minibatches: must divide prompts_per_step * group_size = {n}, got {self.minibatches}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: must divide hidden_size = {self.hidden_size}, got {self.num_heads}")
+        if self.batch_params != "all" and not (self.batch_params.isdigit() and int(self.batch_params) >= 1):
+            raise ValueError(f"batch_params: expected all or a number of last blocks >= 1, got {self.batch_params!r}")
+        if self.batch_params != "all" and not self.model_path and int(self.batch_params) > self.num_layers:
+            raise ValueError(f"batch_params: the model has num_layers={self.num_layers} blocks, got {self.batch_params}")
         if self.mode.startswith("pdm-full") and not self.full_logits:
             raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
         if self.task == "jsonl" and not self.train_file:
