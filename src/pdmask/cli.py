@@ -192,6 +192,7 @@ def ladder(
     ladder.json, ladder.png (accuracy and collapse rate vs measured mismatch) and per rung
     the across-seed summary with paired tests against the spec's reference mode."""
     from .train.ladder import load_spec, plan_cells, run_ladder, statuses
+    from .train.ladder_report import build_report
 
     try:
         if jobs < 1:
@@ -208,7 +209,9 @@ def ladder(
             console.print(", ".join(f"{sum(v == k for v in st.values())} {k}" for k in ("done", "partial", "todo"))
                           + f" of {len(cells)} cells")
             return
-        run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, run=not report_only, console=console)
+        if not report_only:
+            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, console=console)
+        build_report(sp, out or sp.out, console=console)
     except typer.BadParameter as e:
         _fail(ValueError(f"spec: {e.message}"))
     except ValueError as e:

@@ -115,6 +115,7 @@ def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_pa
     assert len(set(_cells_run(out)[:15])) == 15
 
     # the report covers every finished cell; a changed setting is refused, not mixed
+    build_report(spec3, out, plot=False)
     rep = json.loads((out / "ladder.json").read_text())
     assert [(r["name"], r["cells_done"]) for r in rep["rungs"]] == [("calm", 6), ("lag", 9)]
     assert rep["wall"]["cells_fresh"] == 15 and rep["wall"]["cells_resumed"] == 1

@@ -27,8 +27,9 @@ new cells. A cell whose stored ``config.yaml`` differs from what the spec now as
 refused (one line naming the cell and the keys), never silently mixed. Every invocation
 appends to ``OUT/ladder_log.jsonl`` (which cells ran, fresh or resumed, wall times).
 
-The report (:mod:`pdmask.train.ladder_report`) is rebuilt from the finished cells at the
-end of every invocation (``--report-only`` rebuilds it without running anything).
+The report (:mod:`pdmask.train.ladder_report`, which imports this module, not the other
+way round) is rebuilt from the finished cells after every ``pdmask ladder`` invocation
+(``--report-only`` rebuilds it without running anything).
 """
 
 from __future__ import annotations
@@ -354,15 +355,14 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
 
 
 def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1, rungs: list[str] | None = None,
-               run: bool = True, console=None) -> dict:
-    """Run every unfinished cell (of ``rungs``, default all), then rebuild the report.
+               console=None) -> dict:
+    """Run every unfinished cell (of ``rungs``, default all).
 
-    ``run=False``: only rebuild the report. Returns the report dict, with ``"executed"``
-    (cells run by this call, ``{"fresh": n, "resume": n}``) and ``"status"`` (per cell,
-    before this call ran anything)."""
+    Returns ``{"executed": {"fresh": n, "resume": n}, "status": {cell: status before this
+    call}}``. The report is :func:`pdmask.train.ladder_report.build_report` (``pdmask
+    ladder`` calls it after every invocation)."""
     from rich.console import Console
 
-    from .ladder_report import build_report
     from .sft import ensure_sft_checkpoint, sft_key
 
     console = console or Console()
@@ -378,7 +378,7 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
         console.print(f"ladder {spec.name}: {len(cells)} cells in {len({c.rung.name for c in cells})} rungs: "
                       f"{counts['done']} done, {counts['partial']} to resume, {counts['todo']} to start ({out})")
         executed = {"fresh": 0, "resume": 0}
-        if run and todo:
+        if todo:
             t0 = time.time()
             _log_event(out, event="start", pid=os.getpid(), rungs=rungs or [r.name for r in spec.rungs], jobs=jobs,
                        **counts)
@@ -390,7 +390,6 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
             _run_cells(todo, jobs, out, console)
             executed = {"fresh": sum(s == "todo" for _, s in todo), "resume": sum(s == "partial" for _, s in todo)}
             _log_event(out, event="end", wall_s=time.time() - t0, executed=executed)
-        rep = build_report(spec, out, console=console)
-        return rep | {"executed": executed, "status": st}
+        return {"executed": executed, "status": st}
     finally:
         lock.close()

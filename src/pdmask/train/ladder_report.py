@@ -301,7 +301,7 @@ def resolution_lines(rep: dict) -> list[str]:
         n = nc[-1]
         out.append(f"Collapse rates are compared with McNemar's exact test, which needs at least 6 seeds where "
                    f"exactly one of the two modes collapsed, all in the same direction (6 vs 0: p = 0.031), to reach "
-                   f"p < 0.05" + (f"; with {n} paired seeds no collapse-rate difference can reach it." if n < 6 else
+                   f"p < 0.05" + (f"; with {n} paired seed{'s' if n != 1 else ''} no collapse-rate difference can reach it." if n < 6 else
                                   f"; with {n} paired seeds only a difference of at least 6/{n} in collapse rate can."))
     return out
 
