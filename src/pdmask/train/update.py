@@ -23,7 +23,7 @@ from ..engine.base import RolloutBatch
 from ..engine.hf import response_logits
 from ..loss import PolicyLossOutput, policy_loss
 from ..masks import get_mode
-from .config import TrainConfig
+from .config import TrainConfig, correction_kwargs
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
@@ -60,8 +60,10 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
         advantages: (B,) per-sequence advantages (broadcast over the response tokens).
         cfg: reads mode, estimator, delta_low/high, eps_low/high, is_cap, loss_agg,
-            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present);
-            for the ``pdm-batch-*`` modes also batch_params, batch_method.
+            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present), the
+            off-policy corrections and the engine's truncated sampling
+            (:func:`pdmask.train.config.correction_kwargs`); for the ``pdm-batch-*``
+            modes also batch_params, batch_method.
         validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
             the engine's outputs are known good).
         optimizer: the optimizer that will take the step this loss is for. Required by
@@ -82,7 +84,7 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         adv, batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
         delta_low=cfg.delta_low, delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         is_cap=cfg.is_cap, loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=batch.logits,
-        validate=validate, **extra)
+        validate=validate, **extra, **correction_kwargs(cfg))
     out.metrics.update(more)
     return out
 
