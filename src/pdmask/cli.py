@@ -234,7 +234,10 @@ def ladder(
     try:
         if jobs < 1:
             raise ValueError(f"jobs: must be >= 1, got {jobs}")
-        p = _resolve_config(spec) if not Path(spec).is_file() else Path(spec)
+        try:
+            p = Path(spec) if Path(spec).is_file() else _resolve_config(spec)
+        except ValueError:  # _resolve_config names `config`; here the file is the spec
+            raise ValueError(f"spec: file {spec!r} not found (nor configs/{spec}.yaml)") from None
         sp = load_spec(p, modes=modes, seeds=seeds, overrides=overrides)
         rung_list = [r.strip() for r in rungs.split(",") if r.strip()] if rungs else None
         console = _console()
@@ -249,8 +252,6 @@ def ladder(
         if not report_only:
             run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, console=console)
         build_report(sp, out or sp.out, console=console)
-    except typer.BadParameter as e:
-        _fail(ValueError(f"spec: {e.message}"))
     except ValueError as e:
         _fail(e)
 

@@ -300,6 +300,10 @@ def test_config_diff_tolerates_fields_added_later_at_their_default(tmp_path, smo
     assert config_diff(stored, cfg) == {}
     stored["out_dir"], stored["progress"] = "elsewhere", True  # results-neutral keys
     assert config_diff(stored, cfg) == {}
+    # how many checkpoints stay on disk changes no result (its default changed 1 -> 2 after
+    # the first ladder cells: those cells must still count as done)
+    stored["keep_checkpoints"] = cfg.keep_checkpoints + 3
+    assert config_diff(stored, cfg) == {}
     stored["lr"] = 1.0
     assert config_diff(stored, cfg) == {"lr": (1.0, cfg.lr)}
     from pdmask.train.config import replace

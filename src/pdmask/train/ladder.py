@@ -46,8 +46,10 @@ from pathlib import Path
 
 from .config import FIELDS, TrainConfig, load_config, replace
 
-#: config keys that do not change a run's result (ignored when an existing cell is checked)
-NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name")
+#: config keys that do not change a run's result (ignored when an existing cell is checked);
+#: keep_checkpoints only decides how many checkpoints stay on disk (its default went 1 -> 2
+#: after the first ladder cells were run)
+NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints")
 
 _SPEC_KEYS = ("name", "config", "modes", "seeds", "seed0", "reference", "collapse_drop", "set", "rungs", "out")
 _RUNG_KEYS = ("name", "label", "family", "config", "set", "extra_modes")
