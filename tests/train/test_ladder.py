@@ -310,3 +310,21 @@ def test_config_diff_tolerates_fields_added_later_at_their_default(tmp_path, smo
 
     assert config_diff({k: v for k, v in cfg.to_dict().items() if k != "grad_clip"},
                        replace(cfg, grad_clip=0.5)) == {"grad_clip": (None, 0.5)}
+
+
+def test_cells_not_run_yet_are_one_note_per_rung(constructed):
+    """A ladder run with fewer seeds than its spec leaves whole seeds out: the report names
+    them per rung (seeds as ranges), not one line per cell, and leaves them out of every number."""
+    spec, out = constructed
+    for mode in ("none", "dppo-topk-kl", "pdm-topk-kl"):
+        for s in (5, 6, 7):
+            shutil.rmtree(out / "calm" / f"{mode}-s{s}")
+    shutil.rmtree(out / "calm" / "pdm-topk-kl-s2")
+    rep = build_report(spec, out, plot=False)
+    assert rep["notes"] == ["calm: 10 of 24 planned cells not run yet: seeds 5-7 (every mode), pdm-topk-kl-s2; left out"]
+    calm = {m["mode"]: m for m in rep["rungs"][0]["modes"]}
+    assert calm["none"]["seeds"] == [0, 1, 2, 3, 4] and calm["pdm-topk-kl"]["seeds"] == [0, 1, 3, 4]
+    assert rep["rungs"][0]["cells_done"] == 14
+    # calm, pdm vs dppo: +0.02 on the 4 common seeds -> p = 2/2^4
+    assert calm["pdm-topk-kl"]["vs_reference"]["eval_final"]["p"] == pytest.approx(0.125)
+    assert "- calm: 10 of 24 planned cells not run yet" in (out / "ladder.md").read_text()

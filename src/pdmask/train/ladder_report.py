@@ -65,6 +65,31 @@ def _boot_mean(values: list[float], seed: int = 0) -> dict:
     return {"estimate": r.estimate, "lo": r.lo, "hi": r.hi, "n": r.n_clusters, "per_seed": list(values)}
 
 
+def _ranges(xs: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    xs, parts, i = sorted(set(xs)), [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _not_run_note(rung: str, todo: list, planned: list) -> str:
+    """One note per rung for its cells not run yet (a ladder run with fewer seeds than the
+    spec's leaves whole seeds out: named as seeds, not as one line per cell)."""
+    modes = sorted({c.mode for c in planned})
+    by_seed: dict[int, set] = {}
+    for c in todo:
+        by_seed.setdefault(c.seed, set()).add(c.mode)
+    whole = [s for s, ms in by_seed.items() if ms == set(modes)]
+    parts = [f"seed{'s' if len(whole) > 1 else ''} {_ranges(whole)} (every mode)"] if whole else []
+    parts += [f"{c.mode}-s{c.seed}" for c in todo if c.seed not in whole]
+    return f"{rung}: {len(todo)} of {len(planned)} planned cells not run yet: {', '.join(parts)}; left out"
+
+
 def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], list[str]]:
     """Finished runs of a rung: the planned cells that are done, plus finished runs of other
     modes/seeds found on disk whose settings match the rung (added with --modes/--seeds)."""
@@ -73,13 +98,18 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
     runs, notes = [], []
     rd = out / rung.name
     seen = set()
+    todo = []
     for c in planned.get(rung.name, []):
         seen.add(c.cfg.run_name)
         st = cell_status(c)
         if st == "done":
             runs.append(c.cfg.run_dir)
+        elif st == "partial":
+            notes.append(f"{c.key}: unfinished; left out")
         else:
-            notes.append(f"{c.key}: {'unfinished' if st == 'partial' else 'not run yet'}; left out")
+            todo.append(c)
+    if todo:
+        notes.append(_not_run_note(rung.name, todo, planned.get(rung.name, [])))
     if rd.is_dir():
         import yaml
 
