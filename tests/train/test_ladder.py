@@ -328,3 +328,20 @@ def test_cells_not_run_yet_are_one_note_per_rung(constructed):
     # calm, pdm vs dppo: +0.02 on the 4 common seeds -> p = 2/2^4
     assert calm["pdm-topk-kl"]["vs_reference"]["eval_final"]["p"] == pytest.approx(0.125)
     assert "- calm: 10 of 24 planned cells not run yet" in (out / "ladder.md").read_text()
+
+
+def test_rung_labels_of_close_rungs_do_not_overlap():
+    from pdmask.train.ladder_report import _label_positions
+
+    # width 0.1 decades: a label takes [x - 0.1, x] (left of x) or [x, x + 0.1] (right of x)
+    pos = _label_positions({"fp32": 1e-8, "bf16": 1e-4, "a": 4.2e-3, "b": 6.8e-3, "c": 1.5e-2, "d": 1.9e-2},
+                           width=0.1)
+    # a and b are 0.21 decades apart, b and c 0.34, c and d 0.103 (> 0.1): every label fits
+    # left of its x on the top level
+    assert {k: v[1:] for k, v in pos.items()} == {k: (1.0, "right") for k in pos}
+    pos = _label_positions({"c": 1.5e-2, "d": 1.7e-2, "e": 1.8e-2}, width=0.1)
+    # d (0.054 decades from c) goes right of its x; e has neither side free: a level down
+    assert pos["c"][1:] == (1.0, "right") and pos["d"][1:] == (1.0, "left")
+    assert pos["e"] == (1.8e-2, pytest.approx(0.7), "right")
+    # the default width is 1.8% of the span (7 decades + 1 here): 0.144
+    assert _label_positions({"x": 1e-8, "y": 1e-1, "z": 1.3e-1})["z"][2] == "left"

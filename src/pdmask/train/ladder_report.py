@@ -407,6 +407,35 @@ def plot_data(rep: dict) -> dict:
     return out
 
 
+def _label_positions(rung_x: dict[str, float], *, width: float | None = None, step: float = 0.3) -> dict:
+    """Rung name -> (x, y in axes fraction, ha) for the vertical rung labels. A label sits
+    left of its x (``ha="right"``); one that would overlap a label already placed goes to
+    the right of its x, then a level lower: rungs of similar mismatch would print on top
+    of each other. ``width``: a label's width in decades of the log axis (default: 1.8% of
+    the axis span, about one 7-point line on the 13-inch figure)."""
+    import math
+
+    lxs = {n: math.log10(x) if x > 0 else -12.0 for n, x in rung_x.items()}
+    if width is None:
+        span = (max(lxs.values()) - min(lxs.values()) + 1.0) if lxs else 1.0
+        width = 0.018 * span
+    placed: list[list[tuple[float, float]]] = []  # per level: the (lo, hi) extents taken
+    out = {}
+    for name, x in sorted(rung_x.items(), key=lambda kv: kv[1]):
+        lx = lxs[name]
+        for level in range(len(placed) + 1):
+            if level == len(placed):
+                placed.append([])
+            taken = placed[level]
+            ext = next((e for e in ((lx - width, lx), (lx, lx + width))
+                        if all(e[1] <= a or e[0] >= b for a, b in taken)), None)
+            if ext is not None:
+                taken.append(ext)
+                out[name] = (x, 1.0 - step * (level % 3), "right" if ext[1] == lx else "left")
+                break
+    return out
+
+
 def plot_ladder(rep: dict, path: str | Path) -> Path:
     """``ladder.png``: final held-out accuracy (left) and collapse rate (right) against the
     rung's measured mismatch (log scale), one line per mode (and line style per family),
@@ -444,9 +473,9 @@ def plot_ladder(rep: dict, path: str | Path) -> Path:
         ax.set_xscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.set_xlabel(f"measured mismatch: mean top-K KL(engine || trainer), {rep['reference']} runs")
-        for name, x in rung_x.items():
-            ax.annotate(name, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
-                        va="top", ha="right", color="0.4")
+        for name, (x, y, ha) in _label_positions(rung_x).items():
+            ax.annotate(name, (x, y), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        va="top", ha=ha, color="0.4")
     sft = [r["sft_accuracy"] for r in rep["rungs"] if r["sft_accuracy"] is not None and r["family"] == fams[0]] \
         if fams else []
     if sft:
