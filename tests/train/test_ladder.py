@@ -345,3 +345,18 @@ def test_rung_labels_of_close_rungs_do_not_overlap():
     assert pos["e"] == (1.8e-2, pytest.approx(0.7), "right")
     # the default width is 1.8% of the span (7 decades + 1 here): 0.144
     assert _label_positions({"x": 1e-8, "y": 1e-1, "z": 1.3e-1})["z"][2] == "left"
+
+
+def test_a_report_with_fewer_seeds_keeps_the_finished_runs_of_more(constructed):
+    """A ``--seeds 4`` chunk rebuilds the report: the 8 finished seeds on disk stay in it,
+    counted as cells (8 of 8 done, not 8 of 4)."""
+    import dataclasses
+
+    spec, out = constructed
+    rep = build_report(dataclasses.replace(spec, seeds=4), out, plot=False)
+    assert [(r["cells_done"], r["cells_planned"], r["cells_extra"]) for r in rep["rungs"]] == [(24, 24, 12)] * 2
+    hard = {m["mode"]: m for m in rep["rungs"][1]["modes"]}
+    assert hard["none"]["seeds"] == list(range(8)) and hard["none"]["collapse"]["k"] == 6
+    assert rep["notes"] == []
+    md = (out / "ladder.md").read_text()
+    assert "4 seeds planned per cell; finished runs of further seeds" in md and "| 24/24 |" in md

@@ -144,8 +144,10 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
     for rung in spec.rungs:
         runs, n = _finished_runs(spec, rung, out, planned)
         notes += n
+        mine = {c.cfg.run_dir for c in planned.get(rung.name, [])}
+        extra = sum(r not in mine for r in runs)  # finished runs of seeds/modes beyond the plan
         entry = {"name": rung.name, "label": rung.label, "family": rung.family, "set": rung.set,
-                 "config": str(rung.config), "cells_planned": len(planned.get(rung.name, [])),
+                 "config": str(rung.config), "cells_planned": len(mine) + extra, "cells_extra": extra,
                  "cells_done": len(runs), "modes": [], "mismatch": None, "tail_mass_mean": None,
                  "sft_accuracy": None, "across_seeds": None}
         rungs.append(entry)
@@ -364,7 +366,9 @@ def ladder_markdown(rep: dict) -> str:
     rows = ladder_rows(rep)
     w = rep["wall"]
     lines = [f"# Mismatch ladder `{rep['name']}`", "",
-             f"Reference mode: {rep['reference']}; {rep['seeds_planned']} seeds planned per cell.", "",
+             f"Reference mode: {rep['reference']}; {rep['seeds_planned']} seeds planned per cell"
+             + ("; finished runs of further seeds or modes found on disk are included."
+                if any(r.get("cells_extra") for r in rep["rungs"]) else "."), "",
              "## Rungs", "", _md(*rows["rungs"]), "",
              "## Final held-out accuracy (collapsed runs / seeds)", "", _md(*rows["wide"]), "",
              "## Per rung and mode", "", _md(*rows["modes"]), ""]
