@@ -285,3 +285,43 @@ def test_pooled_ratio_properties(rows):
     assert d.estimate == pytest.approx(-e.estimate, abs=1e-12)
     assert (d.lo, d.hi) == pytest.approx((-e.hi, -e.lo), abs=1e-9)
     assert d.lo - 1e-12 <= d.estimate <= d.hi + 1e-12
+
+
+# ------------------------------------------------------------------ Clopper-Pearson
+def test_clopper_pearson_hand_worked():
+    from pdmask.significance import clopper_pearson
+
+    # k = 0: lo = 0 and P(X = 0 | hi) = (1 - hi)^n = 0.025  ->  hi = 1 - 0.025^(1/n)
+    lo, hi = clopper_pearson(0, 8)
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.025 ** (1 / 8), abs=1e-12)  # 0.3694
+    # k = n: hi = 1 and P(X = n | lo) = lo^n = 0.025  ->  lo = 0.025^(1/n)
+    lo, hi = clopper_pearson(8, 8)
+    assert hi == 1.0 and lo == pytest.approx(0.025 ** (1 / 8), abs=1e-12)  # 0.6306
+    # k = 1, n = 2: P(X >= 1 | lo) = 1 - (1 - lo)^2 = 0.025 -> lo = 1 - sqrt(0.975); by symmetry hi = sqrt(0.975)
+    lo, hi = clopper_pearson(1, 2)
+    assert (lo, hi) == pytest.approx((1 - math.sqrt(0.975), math.sqrt(0.975)), abs=1e-12)
+    assert all(math.isnan(v) for v in clopper_pearson(0, 0))
+
+
+@pytest.mark.parametrize("k,n", [(1, 10), (4, 8), (3, 7), (6, 8), (17, 40)])
+def test_clopper_pearson_solves_its_defining_equations(k, n):
+    from pdmask.significance import clopper_pearson
+
+    def cdf(j, p):  # P(X <= j), exact rationals of the binomial coefficients
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(j + 1))
+
+    lo, hi = clopper_pearson(k, n)
+    assert 0 < lo < k / n < hi < 1
+    assert 1 - cdf(k - 1, lo) == pytest.approx(0.025, abs=1e-10)  # P(X >= k | lo)
+    assert cdf(k, hi) == pytest.approx(0.025, abs=1e-10)  # P(X <= k | hi)
+    lo90, hi90 = clopper_pearson(k, n, level=0.90)
+    assert lo < lo90 and hi90 < hi  # a lower level gives a narrower interval
+
+
+def test_clopper_pearson_bad_input():
+    from pdmask.significance import clopper_pearson
+
+    with pytest.raises(ValueError, match="k: must be <= n"):
+        clopper_pearson(3, 2)
+    with pytest.raises(ValueError, match="level"):
+        clopper_pearson(1, 2, level=1.5)

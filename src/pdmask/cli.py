@@ -1,4 +1,4 @@
-"""Command line: ``pdmask train | compare | report | audit``.
+"""Command line: ``pdmask train | compare | report | ladder | audit``.
 
 Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets live in
 ``configs/*.yaml``; ``--config main`` is short for ``configs/main.yaml``.
@@ -206,6 +206,54 @@ def report(
         console.print(line)
     for p in [*pngs, *written]:
         console.print(f"wrote {p}")
+
+
+@app.command()
+def ladder(
+    overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value applied to every run "
+                                                              "(not keys a rung sets)"),
+    spec: str = typer.Option("ladder", "--spec", help="ladder spec YAML (a path, or a name in configs/)"),
+    out: Optional[str] = typer.Option(None, "--out", help="output directory (default: the spec's `out`)"),
+    jobs: int = typer.Option(1, "--jobs", help="runs in parallel (subprocesses; each uses `threads` threads)"),
+    rungs: Optional[str] = typer.Option(None, "--rungs", help="comma-separated rungs to run (default: all); "
+                                                              "the report always covers every rung"),
+    modes: Optional[str] = typer.Option(None, "--modes", help="comma-separated modes (replaces the spec's modes)"),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="seeds per cell (replaces the spec's seeds)"),
+    plan: bool = typer.Option(False, "--plan", help="print every cell's status (done / partial / todo) and exit"),
+    report_only: bool = typer.Option(False, "--report-only", help="rebuild the report without running anything"),
+):
+    """Run the mismatch ladder: every mode x seed on rungs of increasing engine mismatch.
+
+    Resumable without a flag: finished cells are skipped, a killed cell resumes from its
+    checkpoint, new modes/seeds/rungs run only their own cells. Writes OUT/ladder.md,
+    ladder.json, ladder.png (accuracy and collapse rate vs measured mismatch) and per rung
+    the across-seed summary with paired tests against the spec's reference mode."""
+    from .train.ladder import load_spec, plan_cells, run_ladder, statuses
+    from .train.ladder_report import build_report
+
+    try:
+        if jobs < 1:
+            raise ValueError(f"jobs: must be >= 1, got {jobs}")
+        try:
+            p = Path(spec) if Path(spec).is_file() else _resolve_config(spec)
+        except ValueError:  # _resolve_config names `config`; here the file is the spec
+            raise ValueError(f"spec: file {spec!r} not found (nor configs/{spec}.yaml)") from None
+        sp = load_spec(p, modes=modes, seeds=seeds, overrides=overrides)
+        rung_list = [r.strip() for r in rungs.split(",") if r.strip()] if rungs else None
+        console = _console()
+        if plan:
+            cells = plan_cells(sp, Path(out or sp.out), rung_list)
+            st = statuses(cells)
+            for c in cells:
+                console.print(f"{st[c.key]:8s} {c.key}")
+            console.print(", ".join(f"{sum(v == k for v in st.values())} {k}" for k in ("done", "partial", "todo"))
+                          + f" of {len(cells)} cells")
+            return
+        if not report_only:
+            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, console=console)
+        build_report(sp, out or sp.out, console=console)
+    except ValueError as e:
+        _fail(e)
 
 
 # `pdmask audit`: the direction audit's command (its options live with it in pdmask.audit.cli)

@@ -283,6 +283,58 @@ def mcnemar_exact(b: int, c: int) -> float:
     return binomial_test(b, b + c, 0.5)
 
 
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), summed in log space (no overflow for large n)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    return min(1.0, math.fsum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                                       + i * lp + (n - i) * lq) for i in range(k + 1)))
+
+
+def clopper_pearson(k: int, n: int, *, level: float = DEFAULT_LEVEL) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) two-sided interval of a binomial proportion ``k / n``.
+
+    ``lo`` is the ``p`` with ``P(X >= k | p) = (1 - level) / 2`` (0 when ``k = 0``) and
+    ``hi`` the ``p`` with ``P(X <= k | p) = (1 - level) / 2`` (1 when ``k = n``), found by
+    bisection on the exact binomial CDF (scipy's ``beta.ppf`` gives the same numbers).
+    Hand-worked: ``k = 0, n = 8`` at 95% gives ``hi = 1 - 0.025 ** (1 / 8) = 0.3694``.
+    Used for rates over seeds (e.g. the fraction of seeds whose run collapsed), where the
+    unit is the seed and a bootstrap of 0/8 would give the empty interval [0, 0].
+    ``n = 0`` has no interval: ``(nan, nan)``.
+    """
+    k, n = _int_arg("k", k), _int_arg("n", n)
+    if k > n:
+        raise ValueError(f"k: must be <= n = {n}, got {k}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level: must be in (0, 1), got {level!r}")
+    if n == 0:
+        return math.nan, math.nan
+    a = (1 - level) / 2
+
+    def solve(f) -> float:  # f decreasing in p on [0, 1]; the p where f(p) = a
+        lo, hi = 0.0, 1.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if f(mid) > a:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo < 1e-15:
+                break
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else 1.0 - solve(lambda p: 1.0 - _binom_cdf(k - 1, n, 1.0 - p))
+    upper = 1.0 if k == n else solve(lambda p: _binom_cdf(k, n, p))
+    return lower, upper
+
+
 # ------------------------------------------------------------------ paired seed scalars
 @dataclass(frozen=True)
 class SignFlip:
