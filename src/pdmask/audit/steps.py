@@ -58,6 +58,20 @@ def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: fl
     )
 
 
+def step_loss(logits: torch.Tensor, rb, advantages: torch.Tensor, cfg: AuditConfig) -> PolicyLossOutput:
+    """The batch step's loss: ``policy_loss(mode=cfg.step_mode)`` with the audit's settings.
+
+    Its ``token_loss`` (B, T) holds each token's term before aggregation; every term
+    depends on its own position only (the step modes are per-token), so a slice of rows
+    gives the same terms as the whole batch."""
+    return policy_loss(
+        logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
+        rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
+        delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
+        loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
+    )
+
+
 def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
                cfg: AuditConfig, *, optimizer_state: dict | None = None
                ) -> tuple[torch.Tensor, PolicyLossOutput, torch.Tensor]:
@@ -82,12 +96,7 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
             g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     try:
         logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
-        out = policy_loss(
-            logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
-            rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
-            delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
-            loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
-        )
+        out = step_loss(logits, rb, advantages, cfg)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         if cfg.grad_clip > 0:
