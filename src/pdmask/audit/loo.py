@@ -44,7 +44,7 @@ import copy
 import torch
 
 from .config import AuditConfig
-from .steps import Forward, make_optimizer, rollout_stats, step_loss, trainable
+from .steps import Forward, copy_in, make_optimizer, rollout_stats, step_loss, trainable
 
 F64 = torch.float64
 
@@ -115,7 +115,7 @@ class BatchStep:
             raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
         self.cfg, self.forward, self.rb, self.dtype = cfg, forward, rb, dtype
         self.A = advantages.to(dtype)  # (B, T)
-        self.model = copy.deepcopy(model).to(dtype)
+        self.model = copy_in(model, dtype)
         self.model.eval()
         self.params = trainable(self.model)
         self.theta0 = [p.detach().clone() for p in self.params]
