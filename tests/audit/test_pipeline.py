@@ -185,3 +185,25 @@ def test_head_only_isolated_step_follows_the_logit_direction(setup):
         hits, n, ratio_hits = hits + c["pred-exact"]["sign_ok"], n + c["pred-exact"]["n"], ratio_hits + c["ratio"]["sign_ok"]
         assert "dD_isolated_head" in r.tokens and "isolated" not in r.counts
     assert n >= 40 and hits == n and ratio_hits < n
+
+
+def test_delta_sweep_equals_an_audit_at_that_delta(setup):
+    """An audit at delta 0.01 restricted to D > 0.06 (the sweep) gives the batch and logit
+    tables of an audit run at delta 0.06 directly: the same tokens, the same numbers."""
+    pol, eng = setup
+    sample = lambda s: (*sample_batch(eng, seed=s), {})  # noqa: E731
+    low = _cfg(delta_low=0.01, delta_high=0.01, delta_sweep=(0.06,), instruments=(), bootstrap=300)
+    high = _cfg(delta_low=0.06, delta_high=0.06, instruments=(), bootstrap=300)
+    S_low = summarize_all(run_audit(pol, bigram_forward, sample, [0, 1, 2], low, progress=False), low)
+    S_high = summarize_all(run_audit(pol, bigram_forward, sample, [0, 1, 2], high, progress=False), high)
+    sw = S_low["delta_sweep"][0.06]
+    assert sw["n_out_of_region"] == S_high["rates"]["batch"]["out_of_region"]["n_tokens"] > 0
+    assert sw["n_out_of_region"] < S_low["rates"]["batch"]["out_of_region"]["n_tokens"]
+    for kind in ("batch", "logit"):
+        for sname in ("out_of_region", "disagreement:pred-exact"):
+            a, b = sw["rates"][kind][sname], S_high["rates"][kind][sname]
+            assert a["n_tokens"] == b["n_tokens"]
+            for c in ("ratio", "pred-exact"):
+                assert a["criteria"][c]["counts"] == b["criteria"][c]["counts"], (kind, sname, c)
+    with pytest.raises(ValueError, match="delta_sweep"):
+        _cfg(delta_low=0.05, delta_high=0.05, delta_sweep=(0.01,))

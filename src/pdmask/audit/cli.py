@@ -50,6 +50,9 @@ def audit_command(
     isolated_step: float = typer.Option(1e-5, "--isolated-step", help="parameter-space step length"),
     logit_step: float = typer.Option(1e-7, "--logit-step", help="logit-space step length"),
     tie_tol: float = typer.Option(0.0, "--tie-tol", help="|dD| <= tie_tol counts as no change"),
+    delta_sweep: str = typer.Option("", "--delta-sweep", help="larger deltas whose headline tables are recomputed "
+                                                              "from the records (comma-separated)"),
+    fidelity_ks: str = typer.Option("1,2,5,10,20,50,100", "--fidelity-ks", help="K values of the fidelity sweep"),
     bootstrap: int = typer.Option(10000, "--bootstrap", help="seed-cluster bootstrap resamples"),
     jobs: int = typer.Option(1, "--jobs", help="worker processes (each uses `threads` torch threads)"),
     fresh: bool = typer.Option(False, "--fresh", help="discard seeds already in OUT/seeds and start over"),

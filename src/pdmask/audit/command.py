@@ -22,7 +22,7 @@ from pathlib import Path
 _NEUTRAL_TRAIN_KEYS = ("progress", "threads", "out_dir", "name", "tensorboard", "eval_every", "checkpoint_every",
                        "keep_checkpoints", "steps")
 #: audit settings that change only the summary, not a seed's records
-_NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed")
+_NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
 
 
 def _configs(a: dict):
@@ -56,8 +56,24 @@ def _configs(a: dict):
         sample_tokens=a["sample_tokens"], disagreement_tokens=a["disagreement_tokens"],
         instruments=tuple(x.strip() for x in a["instruments"].split(",") if x.strip()),
         isolated_step=a["isolated_step"], logit_step=a["logit_step"], tie_tol=a["tie_tol"], bootstrap=a["bootstrap"],
+        delta_sweep=_floats("delta_sweep", a.get("delta_sweep", "")),
+        fidelity_ks=_ints("fidelity_ks", a.get("fidelity_ks", "1,2,5,10,20,50,100")),
     )
     return tcfg, cfg
+
+
+def _floats(name: str, text: str) -> tuple:
+    try:
+        return tuple(float(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(name: str, text: str) -> tuple:
+    vals = _floats(name, text)
+    if not vals or any(not v.is_integer() or v < 1 for v in vals):
+        raise ValueError(f"{name}: expected comma-separated positive integers, got {text!r}")
+    return tuple(int(v) for v in vals)
 
 
 def _fingerprint(a: dict, tcfg, cfg) -> dict:
@@ -171,7 +187,8 @@ def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
 
 def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperature, top_k, lag, divergence,
             delta, delta_low, delta_high, estimator, step_mode, optimizer, lr, sample_tokens, disagreement_tokens,
-            instruments, isolated_step, logit_step, tie_tol, bootstrap, jobs, fresh, plots, progress) -> dict:
+            instruments, isolated_step, logit_step, tie_tol, bootstrap, jobs, fresh, plots, progress,
+            delta_sweep="", fidelity_ks="1,2,5,10,20,50,100") -> dict:
     a = dict(locals())  # the arguments (first: nothing else is local yet)
     from rich.console import Console
 

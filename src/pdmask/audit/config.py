@@ -57,6 +57,8 @@ class AuditConfig:
             ``|Ddot| ~ 1e-6``; float64 keeps the change far above rounding).
         tie_tol: ``|dD| <= tie_tol`` counts as no change (neither unsafe nor corrective).
         fidelity_ks: K values of the estimator-fidelity sweep.
+        delta_sweep: larger thresholds whose headline tables are recomputed from the
+            records (a subset of O; see :func:`.tables.delta_sweep`).
         bootstrap: bootstrap resamples over seeds; bootstrap_seed seeds them.
     """
 
@@ -83,6 +85,7 @@ class AuditConfig:
     logit_step: float = 1e-7
     tie_tol: float = 0.0
     fidelity_ks: tuple = field(default_factory=lambda: FIDELITY_KS)
+    delta_sweep: tuple = ()
     bootstrap: int = 10000
     bootstrap_seed: int = 0
 
@@ -128,6 +131,12 @@ class AuditConfig:
             _fail("disagreement_tokens", f"must be an int >= 0, or -1 for all, got {v!r}")
         if not isinstance(self.bootstrap, int) or self.bootstrap < 1:
             _fail("bootstrap", f"must be a positive int, got {self.bootstrap!r}")
+        sw = tuple(self.delta_sweep)
+        lo = min(self.delta_low, self.delta_high)
+        if any(not isinstance(d, (int, float)) or not math.isfinite(d) or d < lo for d in sw):
+            _fail("delta_sweep", f"must be numbers >= the audited delta ({lo}): an audit records only the tokens "
+                  f"above its own delta; got {self.delta_sweep!r}")
+        self.delta_sweep = tuple(sorted(set(float(d) for d in sw)))
         ks = tuple(self.fidelity_ks)
         if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
             _fail("fidelity_ks", f"must be a non-empty list of positive ints, got {self.fidelity_ks!r}")
@@ -145,5 +154,6 @@ class AuditConfig:
         d = asdict(self)
         d["betas"], d["fidelity_ks"] = list(self.betas), list(self.fidelity_ks)
         d["instruments"] = list(self.instruments)
+        d["delta_sweep"] = list(self.delta_sweep)
         d["is_cap"] = self.is_cap if math.isfinite(self.is_cap) else "inf"
         return d

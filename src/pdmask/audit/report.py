@@ -155,6 +155,21 @@ def shares_table(G: dict) -> list[str]:
     return L
 
 
+def sweep_table(W: dict, headline: str) -> list[str]:
+    kinds = [k for k in KINDS if any(k in w["rates"] for w in W.values())]
+    L = ["| delta | O tokens | disagreement tokens | " + " | ".join(kinds) + " |",
+         "|---|---|---|" + "---|" * len(kinds)]
+    for d, w in W.items():
+        cols = []
+        for k in kinds:
+            t = w["rates"].get(k, {}).get(f"disagreement:{headline}")
+            st = t and t[f"vs_{RATIO}"][headline].get("sign_test")
+            cols.append(f"{st['predictive_right']}/{st['n_untied']}, {_p(st['p'])}" if st else "n/a")
+        L.append(f"| {d} | {w['n_out_of_region']} | {w['n_disagreement']} | " + " | ".join(cols) + " |")
+    return L + ["", "Cells: tokens of the disagreement set where the predictive criterion is right / untied tokens, "
+                "exact binomial p."]
+
+
 def cost_table(seeds: list[dict]) -> list[str]:
     keys = sorted({k for s in seeds for k in s.get("time_s", {})})
     if not keys:
@@ -201,6 +216,9 @@ def markdown(doc: dict) -> str:
         L += ["## Batch step on O, with the paper's figures", ""]
         L += rate_table(R["batch"]["out_of_region"], CRITERIA, headline, paper=True) + [""]
         L += diff_table(R["batch"]["out_of_region"], PREDICTIVE) + [""]
+    if S.get("delta_sweep"):
+        L += ["## delta sweep (from the records: O(delta') is the subset of O with D > delta')", ""]
+        L += sweep_table(S["delta_sweep"], headline) + [""]
     if S.get("group_shares"):
         L += ["## Where the first-order change lives (parameter groups)", "",
               "Pooled share of `sum |term|` of each group of `<grad D, grad A log pi>` (the four terms add up to "
@@ -377,3 +395,4 @@ def report_from_records(path) -> dict:
     rec, meta = load_records(path)
     return tables(rec, meta["seeds"], headline=predictive_name(meta["estimator"]), tie_tol=meta["tie_tol"],
                   n_boot=int(meta["bootstrap"]), boot_seed=int(meta["bootstrap_seed"]))
+

@@ -332,6 +332,11 @@ def summarize_all(results: list[SeedResult], cfg: AuditConfig) -> dict:
     rec = concat_tokens(results)
     t = tables(rec, [r.seed for r in results], headline=predictive_name(cfg.estimator), tie_tol=cfg.tie_tol,
                n_boot=nb, boot_seed=bs)
+    if cfg.delta_sweep:
+        from .tables import delta_sweep
+        t["delta_sweep"] = delta_sweep(rec, [r.seed for r in results], cfg.delta_sweep,
+                                       headline=predictive_name(cfg.estimator), tie_tol=cfg.tie_tol,
+                                       n_boot=min(nb, 2000), boot_seed=bs)
     return {**t, "entropy": summarize_entropy(results, n_boot=nb, seed=bs),
             "fidelity": summarize_fidelity([r.fidelity for r in results], n_boot=min(nb, 2000), seed=bs),
             "per_seed": [{"seed": r.seed, **r.info} for r in results]}

@@ -180,3 +180,44 @@ def tables(rec: dict, seeds, *, headline: str = "pred-exact", tie_tol: float = 0
         shares = {"out_of_region": group_shares(rec, rec["in_sample"]),
                   f"disagreement:{headline}": group_shares(rec, disagreement(rec, headline))}
     return {"rates": out, "group_shares": shares}
+
+
+def restrict(rec: dict, keep: np.ndarray) -> dict:
+    """The records of the tokens where ``keep`` is True."""
+    return {k: v[keep] for k, v in rec.items()}
+
+
+def delta_sweep(rec: dict, seeds, deltas, *, headline: str = "pred-exact", tie_tol: float = 0.0,
+                n_boot: int = 2_000, boot_seed: int = 0) -> dict:
+    """The headline tables at larger thresholds, from the records of one audit.
+
+    For ``delta' >= `` the audited delta, ``O(delta') = {t in O : D_t > delta'}`` is a
+    subset of the audited O, so restricting the records gives exactly the batch and
+    logit tables an audit at ``delta'`` would compute (the batch step does not depend on
+    delta when its own mode is ``none``), and the instruments' tables on a uniform sample
+    of ``O(delta')`` and on all of its (measured) disagreement tokens. A ``delta'`` below
+    the audited one is refused: its tokens were never recorded.
+
+    Returns ``{delta': {"n_out_of_region", "n_disagreement", "rates": {kind: {set: table}}}}``
+    with the ratio and the headline criterion only."""
+    seeds = np.unique(np.asarray(seeds, dtype=np.int64))
+    lowest = float(np.min(rec["delta"])) if rec["delta"].size else 0.0
+    out = {}
+    for d in deltas:
+        if rec["delta"].size and d < lowest - 1e-15:
+            raise ValueError(f"delta_sweep: {d} is below the audited delta {lowest}; its tokens were not recorded")
+        sub = restrict(rec, rec["D"] > d)
+        rates = {}
+        for kind, (col, _, _) in KINDS.items():
+            if col not in sub or not np.isfinite(sub[col]).any():
+                continue
+            rates[kind] = {}
+            for sname, S in token_sets(sub, kind, headline).items():
+                if sname not in ("out_of_region", f"disagreement:{headline}"):
+                    continue
+                rates[kind][sname] = set_table(sub, sub[col], S, [RATIO, headline], seeds,
+                                               tie_tol=tie_tol if kind in TIE_KINDS else 0.0, n_boot=n_boot,
+                                               boot_seed=boot_seed, is_disagreement=sname != "out_of_region")
+        out[float(d)] = {"n_out_of_region": int(sub["A"].size), "n_disagreement": int(disagreement(sub, headline).sum()),
+                         "rates": rates}
+    return out
