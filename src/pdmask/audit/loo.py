@@ -200,6 +200,7 @@ class BatchStep:
 
     def own_effect(self, tokens: torch.Tensor) -> torch.Tensor:
         """(n,) ``D_t(theta') - D_t(theta'_{-t})`` for each ``(b, t)`` row of ``tokens`` (n, 2).
+        ``self.after_full`` (n,) keeps ``D_t(theta')``.
 
         Cost per token: one backward of its row (the row's forward is shared by up to
         ``self.chunk`` of its tokens), one optimizer step, one forward of the row."""
@@ -207,8 +208,11 @@ class BatchStep:
         out = torch.zeros(n, dtype=self.dtype)
         if n == 0:
             return out
-        full = self.divergence_after()  # (B, T), computed once
-        for b in tokens[:, 0].unique().tolist():
+        rows = tokens[:, 0].unique()
+        full_rows = self.divergence_after(rows=rows)  # (R, T): the full step, only the rows needed
+        pos = {int(b): i for i, b in enumerate(rows.tolist())}
+        self.after_full = torch.stack([full_rows[pos[int(b)], int(t)] for b, t in tokens.tolist()])  # (n,)
+        for b in rows.tolist():
             idx = (tokens[:, 0] == b).nonzero().squeeze(1).tolist()
             row = torch.tensor([b])
             sub = rows_of(self.rb, row)
@@ -227,5 +231,5 @@ class BatchStep:
                 del logits, per
                 for i, g in zip(part, grads):
                     t = int(tokens[i, 1])
-                    out[i] = full[b, t] - self.divergence_after(rows=row, g_excluded=g)[0, t]
+                    out[i] = self.after_full[i] - self.divergence_after(rows=row, g_excluded=g)[0, t]
         return out

@@ -207,7 +207,7 @@ def _instruments(model, forward, rb, A, bt_c: torch.Tensor, cfg: AuditConfig, op
         t = time.perf_counter()
         bs = BatchStep(model, forward, rb, A64, cfg, optimizer_state=optimizer_state)
         out["own"] = bs.own_effect(bt_c)
-        out["dD_batch64"] = (bs.divergence_after()[bt_c[:, 0], bt_c[:, 1]] - bs.D0[bt_c[:, 0], bt_c[:, 1]]).detach()
+        out["dD_batch64"] = (bs.after_full - bs.D0[bt_c[:, 0], bt_c[:, 1]]).detach()
         clock["own"] = time.perf_counter() - t
     for which, col in (("isolated", "dD_isolated"), ("isolated-head", "dD_isolated_head")):
         if which in cfg.instruments:
