@@ -93,3 +93,35 @@ def test_audit_of_a_run_directory(tmp_path):
     assert r["engine_weights"].startswith("from the checkpoint")
     assert r["vocab_size"] == 400  # the smoke preset's model, not the default one
     assert doc["settings"]["run"]["trainer_config"]["name"] == "smoke"
+
+
+@pytest.mark.slow
+def test_audit_grid_smoke(tmp_path):
+    """`pdmask audit-grid` on two tiny cells (tied / untied): grid.json, grid.md, grid.png,
+    one report per cell; a rerun reuses every seed."""
+    out = tmp_path / "grid"
+    # the smoke preset (a 40-step SFT base, partial-credit reward: advantages are not all 0)
+    args = [sys.executable, "-m", "pdmask.cli", "audit-grid", "--out", str(out), "--ties", "tied,untied",
+            "--vocab", "400", "--hidden", "32", "--seeds", "2", "--precision", "fp8-bf16", "--delta", "1e-4",
+            "--lag", "1", "--sample-tokens", "2", "--bootstrap", "50", "--no-progress",
+            "--config", str(SRC.parent / "configs" / "smoke.yaml"), "--set", f"cache_dir={tmp_path / 'cache'}",
+            "--set", "threads=1", "--set", "prompts_per_step=8"]
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PDMASK_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    g = json.loads((out / "grid.json").read_text())
+    assert list(g["cells"]) == ["tied-V400-H32", "untied-V400-H32"]
+    for name, cell in g["cells"].items():
+        assert (out / name / "audit.json").exists() and cell["n_seeds"] == 2
+        assert cell["head_share"] is None or 0 <= cell["head_share"] <= 1
+    assert (out / "grid.png").stat().st_size > 0 and "| tied-V400-H32 |" in (out / "grid.md").read_text()
+    # the untied cell really has its own output layer: its records' cross term is 0
+    import numpy as np
+    z = np.load(out / "untied-V400-H32" / "audit_tokens.npz")
+    m = np.isfinite(z["ip_cross"])
+    assert m.any() and np.all(z["ip_cross"][m] == 0)
+    z = np.load(out / "tied-V400-H32" / "audit_tokens.npz")
+    assert np.any(z["ip_cross"][np.isfinite(z["ip_cross"])] != 0)
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr.count("resuming, 2 of 2 seeds") == 2, res.stderr[-2000:]

@@ -111,12 +111,13 @@ def cell_summary(doc: dict) -> dict:
     g = S.get("group_shares", {}).get("out_of_region") or {}
     row["head_share"] = g.get("share_head")
     row["head_share_disagreement"] = (S.get("group_shares", {}).get(f"disagreement:{headline}") or {}).get("share_head")
-    info = S["per_seed"][0] if S["per_seed"] else {}
     row["wall_s"] = doc["settings"]["run"].get("wall_s")
     row["num_params"] = doc["settings"]["run"].get("num_params")
     row["vocab_size"] = doc["settings"]["run"].get("vocab_size")
     row["sft_wall_s"] = (doc["settings"]["run"].get("sft") or {}).get("wall_s")
-    row["seconds_per_seed"] = info.get("time_total_s")
+    seeds = S["per_seed"]
+    row["seconds_per_seed"] = (sum(s.get("time_total_s", 0.0) + s.get("time_rollout_s", 0.0) for s in seeds)
+                               / len(seeds)) if seeds else None
     return row
 
 
@@ -184,10 +185,11 @@ def grid_markdown(doc: dict) -> str:
                         f"p={st['p']:.2g})")
         L.append(f"| {name} | {r.get('num_params') or 'n/a'} | {r['n_seeds']} | {r['n_out_of_region']} | "
                  f"{r['n_disagreement']} | {_f(r.get('head_share'), '.2%')} | " + " | ".join(cols) + " |")
-    L += ["", "| cell | SFT wall s (cached: first run) | audit wall s (this run) | s per seed |", "|---|---|---|---|"]
+    L += ["", "Cost per cell: the SFT base's training time (once; cached after), and the audit's seconds per seed "
+          "(rollout + every stage, one worker; the lag steps and model set-up come on top once per worker).", "",
+          "| cell | SFT s | audit s per seed |", "|---|---|---|"]
     for name, r in doc["cells"].items():
-        L.append(f"| {name} | {_f(r.get('sft_wall_s'), '.0f')} | {_f(r.get('cell_wall_s'), '.0f')} | "
-                 f"{_f(r.get('seconds_per_seed'), '.1f')} |")
+        L.append(f"| {name} | {_f(r.get('sft_wall_s'), '.0f')} | {_f(r.get('seconds_per_seed'), '.1f')} |")
     s = doc["settings"]
     L += ["", "Reproduce:", "", "```", "pdmask audit-grid " + " ".join(
         f"--{k.rstrip('_').replace('_', '-')} {v}" for k, v in s.items()

@@ -261,7 +261,9 @@ def run_audit(model: torch.nn.Module, forward: Forward, sample: SampleFn, seeds:
     headline = predictive_name(cfg.estimator)
 
     def one(s):
+        t0 = time.perf_counter()
         rb, adv, info = sample(s)
+        info = {**info, "time_rollout_s": round(time.perf_counter() - t0, 3)}
         r = audit_batch(model, forward, rb, adv, cfg, seed=s, info=info, optimizer_state=optimizer_state, probe=probe)
         results.append(r)
         if on_seed:
