@@ -170,13 +170,14 @@ def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
         cmd = [sys.executable, "-c", f"from pdmask.audit.command import _worker; _worker({str(d / 'worker-args.json')!r}, {i}, {jobs})"]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, i))
     total, done0 = len(todo), lambda: sum(seed_path(d, s).exists() for s in todo)
-    last = -1
+    console.print(f"audit: {total} seeds in {jobs} workers (logs: {d}/worker-*.log)", soft_wrap=True)
+    last, shown = -1, 0.0
     while any(p.poll() is None for p, _, _ in procs):
         n = done0()
-        if n != last:
-            console.print(f"audit: {n}/{total} seeds done ({jobs} workers; logs in {d}/worker-*.log)")
-            last = n
-        time.sleep(5)
+        if n != last and time.time() - shown >= 30:  # a line at most every 30 s
+            console.print(f"audit: {n}/{total} seeds done", soft_wrap=True)
+            last, shown = n, time.time()
+        time.sleep(2)
     for p, log, i in procs:
         log.close()
         if p.returncode != 0:
