@@ -4,6 +4,8 @@ predictive divergence mask.
 Public API (pure tensor functions):
 
 - :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics.
+- :func:`policy_loss_from_hidden` — the same from hidden states and the LM-head weight,
+  without the (N, V) logits.
 - :func:`trust_region_mask` — the keep mask alone.
 - :func:`token_stats` — every per-token statistic (log pi_k, ratio, divergences,
   direction derivatives) for analysis.
@@ -14,12 +16,17 @@ Public API (pure tensor functions):
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
 - :func:`batch_mask`, :class:`BatchMask` — the batch-aware mask (needs the model;
   :mod:`pdmask.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
+- :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
+  off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
+  ``is_*``, ``rejection*`` and ``off_policy_mask_threshold`` arguments).
 """
 
 from .batchmask import BatchMask, batch_mask
+from .corrections import RULES as REJECTION_RULES
+from .corrections import importance_weights, off_policy_mask, rejection_mask
 from .directions import ddot_autograd
 from .keys import ESTIMATORS, ddot_key
-from .loss import PolicyLossOutput, aggregate, policy_loss, token_loss, trust_region_mask
+from .loss import PolicyLossOutput, aggregate, policy_loss, policy_loss_from_hidden, token_loss, trust_region_mask
 from .masks import (
     MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
     ratio_region, ratio_sign, register_mode,
@@ -29,8 +36,8 @@ from .stats import token_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchMask", "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "Thresholds", "aggregate", "batch_mask",
-    "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "mask_from_stats", "policy_loss",
-    "predictive", "ratio_region", "ratio_sign", "register_mode", "token_loss",
-    "token_stats", "trust_region_mask",
+    "BatchMask", "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "REJECTION_RULES", "Thresholds",
+    "aggregate", "batch_mask", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
+    "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign",
+    "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
 ]

@@ -6,9 +6,12 @@ junk (pad ids, zeros, -inf), and is replaced by harmless placeholders before any
 arithmetic so that it can never turn into a NaN that a multiplication by the mask
 would spread.
 
-All data-dependent checks are gathered into one boolean vector and read back with a
-single host sync, so validation costs one sync per call; pass ``validate=False`` on a
-hot path whose inputs are known good.
+All data-dependent checks on the inputs are gathered into one boolean vector
+(:class:`Checks`) and read back with a single host sync before the logits are read; the
+one data check that needs the reductions (every response row of ``logits`` and
+``rollout_logits`` has a finite log-sum-exp and no NaN) is a second sync after them. Pass
+``validate=False`` on a hot path whose inputs are known good: no sync, no check.
+Metadata checks (types, shapes, devices) cost nothing and always run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,14 @@ import torch
 #: Engine log-probs may exceed 0 by rounding (bf16 engines, fp32 log-softmax); beyond
 #: this they are a bug upstream (raw logits passed as log-probs, wrong temperature).
 LOGPROB_TOL = 1e-3
-#: Largest accepted excess of the top-K probability mass over 1.
+#: Largest accepted excess of the top-K probability mass over 1 (also of the top-K mass
+#: plus the sampled token's when the sampled token is not in the top-K).
 MASS_TOL = 1e-3
+#: The sampled token's ``rollout_logprob`` and its own entry in the top-K list are the
+#: same number from the engine; they may differ by rounding only (bf16 rounding of either
+#: is < 2^-8 relative): ``|a - b| <= MATCH_ATOL + MATCH_RTOL * |b|``.
+MATCH_ATOL = 1e-3
+MATCH_RTOL = 2.0 ** -7
 
 from .keys import ESTIMATORS  # noqa: F401  (re-exported for the validators)
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -41,19 +50,68 @@ class Batch:
     valid: torch.Tensor  # (N,) bool: response positions
     lead_shape: tuple  # (B, T) or whatever leading shape the caller used
     vocab_size: int
+    kept_mask: torch.Tensor | None = None  # (N, V) bool: the engine's kept set (truncated sampling)
+    hidden: torch.Tensor | None = None  # (N, H): instead of logits (logits = hidden @ lm_head_weight.T)
+    lm_head_weight: torch.Tensor | None = None  # (V, H)
 
 
 def _fail(arg: str, msg: str) -> None:
     raise ValueError(f"{arg}: {msg}")
 
 
+class Checks:
+    """Data-dependent checks gathered for one host sync: ``add(name, msg, flag)`` with a
+    0-d bool tensor ``flag`` (True: bad), then :meth:`run` raises the first bad one."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, torch.Tensor]] = []
+
+    def add(self, name: str, msg: str, flag: torch.Tensor) -> None:
+        self.items.append((name, msg, flag))
+
+    def run(self) -> None:
+        if not self.items:
+            return
+        dev = self.items[0][2].device
+        bad = torch.stack([f.reshape(()).to(dev) for _, _, f in self.items]).tolist()  # the one sync
+        for (name, msg, _), b in zip(self.items, bad):
+            if b:
+                _fail(name, msg)
+
+
 def check_positive(name: str, value: float, allow_inf: bool = False) -> None:
     if value is None:
         return
-    if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         _fail(name, f"must be a positive number, got {value!r}")
     if math.isinf(value) and not allow_inf:
         _fail(name, f"must be finite, got {value!r}")
+
+
+def check_count(name: str, value, checks: "Checks | None" = None) -> None:
+    """A user-given denominator (``num_tokens``, ``num_seqs``, ``loss_scale_factor``):
+    None, or a positive finite number, or a one-element real tensor holding one. A tensor's
+    value is checked through ``checks`` (no sync here) when given, else not at all."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            _fail(name, f"must be a positive number or a one-element real tensor, got a {value.dtype} "
+                        f"tensor of shape {tuple(value.shape)}")
+        if checks is not None:
+            v = value.detach().reshape(()).double()
+            checks.add(name, "must be a positive finite number", ~(torch.isfinite(v) & (v > 0)))
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0 \
+            or math.isinf(value):
+        _fail(name, f"must be a positive finite number, got {value!r}")
+
+
+def check_device(name: str, t: torch.Tensor, like) -> None:
+    """``t`` lives on the device of ``like`` (the logits, or their device)."""
+    dev = like.device if isinstance(like, torch.Tensor) else torch.device(like)
+    if t.device != dev:
+        _fail(name, f"is on device {t.device}, but logits are on {dev}; move it to {dev}")
 
 
 def check_chunk_size(name: str, value, what: str = "rows per chunk") -> None:
@@ -90,17 +148,45 @@ def prepare(
     response_mask: torch.Tensor | None,
     rollout_logits: torch.Tensor | None = None,
     validate: bool = True,
+    kept_mask: torch.Tensor | None = None,
+    checks: Checks | None = None,
 ) -> Batch:
-    """Check shapes, dtypes and values; flatten to (N, ...) and sanitise padding."""
+    """Check shapes, dtypes, devices and values; flatten to (N, ...) and sanitise padding.
+
+    The value checks go into ``checks`` when given (the caller adds its own and runs them:
+    one host sync for all), else they are run here; ``validate=False`` skips them."""
     _check_tensor("logits", logits, float_=True)
     if logits.dim() < 2:
         _fail("logits", f"expected shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
-    lead = tuple(logits.shape[:-1])
-    V = logits.shape[-1]
+    b = prepare_rows(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, sampled_ids, rollout_logprob,
+                     rollout_topk_ids, rollout_topk_logprobs, response_mask, rollout_logits, validate, kept_mask,
+                     checks)
+    b.logits = logits.reshape(-1, logits.shape[-1])
+    return b
+
+
+def prepare_rows(
+    lead: tuple,
+    V: int,
+    device,
+    sampled_ids: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    rollout_topk_ids: torch.Tensor | None,
+    rollout_topk_logprobs: torch.Tensor | None,
+    response_mask: torch.Tensor | None,
+    rollout_logits: torch.Tensor | None = None,
+    validate: bool = True,
+    kept_mask: torch.Tensor | None = None,
+    checks: Checks | None = None,
+) -> Batch:
+    """:func:`prepare` for rows whose logits (leading shape ``lead``, vocabulary ``V``) are
+    not materialised; the returned batch has ``logits=None``."""
     _check_tensor("sampled_ids", sampled_ids, float_=False)
     _check_shape("sampled_ids", sampled_ids, lead, "the leading dims of logits")
+    check_device("sampled_ids", sampled_ids, device)
     _check_tensor("rollout_logprob", rollout_logprob, float_=True)
     _check_shape("rollout_logprob", rollout_logprob, lead, "the leading dims of logits")
+    check_device("rollout_logprob", rollout_logprob, device)
     if (rollout_topk_ids is None) != (rollout_topk_logprobs is None):
         missing = "rollout_topk_logprobs" if rollout_topk_logprobs is None else "rollout_topk_ids"
         _fail(missing, "must be given together with its partner (top-K ids and log-probs go in pairs)")
@@ -115,16 +201,31 @@ def prepare(
             _fail("rollout_topk_ids", "K must be at least 1")
         if K > V:
             _fail("rollout_topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
+        check_device("rollout_topk_ids", rollout_topk_ids, device)
+        check_device("rollout_topk_logprobs", rollout_topk_logprobs, device)
     if rollout_logits is not None:
         _check_tensor("rollout_logits", rollout_logits, float_=True)
-        _check_shape("rollout_logits", rollout_logits, tuple(logits.shape), "same as logits")
+        _check_shape("rollout_logits", rollout_logits, lead + (V,), "same as logits")
+        check_device("rollout_logits", rollout_logits, device)
+    if kept_mask is not None:
+        if not isinstance(kept_mask, torch.Tensor) or kept_mask.dtype != torch.bool:
+            _fail("rollout_kept_mask", "must be a bool tensor (the engine's kept set), got "
+                  f"{getattr(kept_mask, 'dtype', type(kept_mask).__name__)}")
+        _check_shape("rollout_kept_mask", kept_mask, lead + (V,), "same as logits")
+        check_device("rollout_kept_mask", kept_mask, device)
+    mask_values = None
     if response_mask is None:
-        valid = torch.ones(lead, dtype=torch.bool, device=logits.device)
+        valid = torch.ones(lead, dtype=torch.bool, device=device)
     else:
         if not isinstance(response_mask, torch.Tensor):
             _fail("response_mask", f"must be a torch.Tensor, got {type(response_mask).__name__}")
+        if response_mask.is_complex():
+            _fail("response_mask", f"must be bool or 0/1 values, got dtype {response_mask.dtype}")
         _check_shape("response_mask", response_mask, lead, "the leading dims of logits")
+        check_device("response_mask", response_mask, device)
         valid = response_mask.bool()
+        if response_mask.dtype != torch.bool:
+            mask_values = response_mask.reshape(-1)
 
     valid = valid.reshape(-1)
     ids = sampled_ids.reshape(-1).long()
@@ -136,7 +237,14 @@ def prepare(
         tk_lp = rollout_topk_logprobs.reshape(-1, K)
 
     if validate:
-        _check_values(V, valid, ids, lp, tk_ids, tk_lp)
+        own = checks is None
+        checks = Checks() if own else checks
+        if mask_values is not None:
+            checks.add("response_mask", "must hold only 0/1 (or bool) values",
+                       ((mask_values != 0) & (mask_values != 1)).any())
+        _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks)
+        if own:
+            checks.run()
 
     # Sanitise padding: a consistent, harmless placeholder row (sampled id 0 in the
     # support, uniform-looking log-probs) so that no NaN/inf is ever computed there.
@@ -152,7 +260,7 @@ def prepare(
 
     rl = rollout_logits.reshape(-1, V) if rollout_logits is not None else None
     return Batch(
-        logits=logits.reshape(-1, V),
+        logits=None,
         sampled_ids=ids,
         rollout_logprob=lp,
         topk_ids=tk_ids,
@@ -161,38 +269,47 @@ def prepare(
         valid=valid,
         lead_shape=lead,
         vocab_size=V,
+        kept_mask=None if kept_mask is None else kept_mask.reshape(-1, V),
     )
 
 
-def _check_values(V, valid, ids, lp, tk_ids, tk_lp) -> None:
-    """All value checks at once; one host sync."""
+def _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks: Checks) -> None:
+    """Every value check of the loss inputs, on response positions, into ``checks``."""
     v = valid
-    names = []
-    flags = []
 
-    def add(name, flag):
-        names.append(name)
-        flags.append(flag)
+    def add(name, msg, flag):
+        checks.add(name, msg, flag)
 
-    add(("sampled_ids", f"ids must lie in [0, {V})"), ((ids < 0) | (ids >= V))[v].any())
-    add(("rollout_logprob", "contains NaN"), torch.isnan(lp)[v].any())
-    add(("rollout_logprob", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value"),
+    add("sampled_ids", f"ids must lie in [0, {V})", ((ids < 0) | (ids >= V))[v].any())
+    add("rollout_logprob", "contains NaN", torch.isnan(lp)[v].any())
+    add("rollout_logprob", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
         (lp > LOGPROB_TOL)[v].any())
-    add(("rollout_logprob", "the sampled token's log-prob must be finite (it was sampled, so mu_k > 0)"),
+    add("rollout_logprob", "the sampled token's log-prob must be finite (it was sampled, so mu_k > 0)",
         torch.isinf(lp)[v].any())
     if tk_ids is not None:
         tv = v[:, None].expand_as(tk_ids)
-        add(("rollout_topk_ids", f"ids must lie in [0, {V})"), ((tk_ids < 0) | (tk_ids >= V))[tv].any())
+        add("rollout_topk_ids", f"ids must lie in [0, {V})", ((tk_ids < 0) | (tk_ids >= V))[tv].any())
         srt = tk_ids.sort(dim=-1).values
         dup = (srt[:, 1:] == srt[:, :-1]).any(-1) if tk_ids.shape[-1] > 1 else torch.zeros_like(v)
-        add(("rollout_topk_ids", "duplicate ids in a top-K row"), (dup & v).any())
-        add(("rollout_topk_logprobs", "contains NaN"), torch.isnan(tk_lp)[tv].any())
-        add(("rollout_topk_logprobs", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value"),
+        add("rollout_topk_ids", "duplicate ids in a top-K row", (dup & v).any())
+        add("rollout_topk_logprobs", "contains NaN", torch.isnan(tk_lp)[tv].any())
+        add("rollout_topk_logprobs", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
             (tk_lp > LOGPROB_TOL)[tv].any())
-        mass = tk_lp.double().exp().sum(-1)
-        add(("rollout_topk_logprobs", f"top-K probability mass exceeds 1 + {MASS_TOL}"),
+        tk64 = tk_lp.double()
+        mass = tk64.exp().sum(-1)
+        add("rollout_topk_logprobs", f"top-K probability mass exceeds 1 + {MASS_TOL}",
             ((mass > 1 + MASS_TOL) & v).any())
-    bad = torch.stack(flags).tolist()
-    for (name, msg), b in zip(names, bad):
-        if b:
-            _fail(name, msg)
+        # the sampled token in its own top-K row: the two log-probs are one number
+        hit = tk_ids == ids[:, None]  # (N, K)
+        in_topk = hit.any(-1)
+        lp64 = lp.double()
+        own = torch.where(hit, tk64, torch.zeros_like(tk64)).sum(-1)  # its top-K entry (0 if absent)
+        off = (own - lp64).abs() > MATCH_ATOL + MATCH_RTOL * lp64.abs()
+        off = off | (hit & ~torch.isfinite(tk64)).any(-1)
+        add("rollout_logprob", "the sampled token is in the top-K list with a different log-prob there "
+            f"(rollout_topk_logprobs); they must agree within {MATCH_ATOL} + {MATCH_RTOL:.4g} * |log-prob|",
+            (off & in_topk & v).any())
+        # outside the top-K, the sampled token adds its own mass to the support
+        total = mass + torch.where(in_topk, torch.zeros_like(lp64), lp64.exp())
+        add("rollout_logprob", "the top-K mass plus the sampled token's probability (it is not in the "
+            f"top-K list) exceeds 1 + {MASS_TOL}", ((total > 1 + MASS_TOL) & ~in_topk & v).any())

@@ -6,6 +6,7 @@ Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets li
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -25,7 +26,7 @@ def _resolve_config(config: Optional[str]) -> Optional[Path]:
     for cand in (Path("configs") / f"{config}.yaml", Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml"):
         if cand.exists():
             return cand
-    raise typer.BadParameter(f"config file {config!r} not found (nor configs/{config}.yaml)", param_hint="--config")
+    raise ValueError(f"config: file {config!r} not found (nor configs/{config}.yaml)")
 
 
 def _load(config, overrides, model):
@@ -48,8 +49,44 @@ def _console():
 
 
 def _fail(e: Exception):
-    typer.echo(f"error: {e}", err=True)  # unwrapped: the message names the bad key/argument
+    if os.environ.get("PDMASK_TRACEBACK"):
+        raise e  # debugging: the full traceback
+    typer.echo(f"error: {user_message(e)}", err=True)  # the message names the bad key/argument/file
     raise typer.Exit(2)
+
+
+def user_message(e: BaseException) -> str:
+    """One line: a ValueError's own message (it names the key), an OSError's file and reason."""
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        if e.filename2 is not None:
+            where = f"{where} -> {e.filename2}"
+        msg = f"{where}: {e.strerror}" if where else e.strerror
+    else:
+        msg = str(e) or type(e).__name__
+    return " ".join(msg.split())  # one line, whatever the message held
+
+
+#: Exceptions that are the user's to fix (a bad value, file, directory or disk), reported as
+#: one line with exit code 2 by every command (``PDMASK_TRACEBACK=1`` shows the traceback);
+#: anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+def user_errors(fn):
+    """Wrap a command so that a :data:`USER_ERRORS` exception is one ``error: ...`` line."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except USER_ERRORS as e:
+            _fail(e)
+
+    return wrapper
 
 
 def _print_config_help():
@@ -175,6 +212,10 @@ def report(
 from .audit.cli import register as _register_audit  # noqa: E402  (registered last: listed last in --help)
 
 _register_audit(app)
+
+# every command, the audit's included, reports user errors as one line (exit code 2)
+for _cmd in app.registered_commands:
+    _cmd.callback = user_errors(_cmd.callback)
 
 
 def main() -> None:

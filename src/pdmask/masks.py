@@ -215,6 +215,9 @@ def resolve_thresholds(mode: MaskMode, delta_low, delta_high, eps_low, eps_high)
     dh = mode.default_delta if delta_high is None else delta_high
     for name, v in (("delta_low", dl), ("delta_high", dh), ("eps_low", eps_low), ("eps_high", eps_high)):
         check_positive(name, v, allow_inf=name.startswith("delta"))
+    if eps_low >= 1:
+        # the clip range [1 - eps_low, 1 + eps_high] would reach r <= 0: no lower clip at all
+        raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), got {eps_low!r}")
     return Thresholds(dl, dh, eps_low, eps_high)
 
 

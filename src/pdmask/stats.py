@@ -16,12 +16,14 @@ Naive torch equivalent of :func:`stats_from_batch` (binary part)::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import directions as dirs
 from . import divergences as divs
 from . import ops
-from ._validate import Batch, check_chunk_size, check_positive, prepare
+from ._validate import Batch, Checks, check_chunk_size, check_positive, prepare
 from .keys import ESTIMATORS, ddot_key
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
@@ -55,22 +57,63 @@ def binary_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, sum_p2: torch.T
     }
 
 
+def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int) -> dict[str, torch.Tensor]:
+    """The reductions with padding rows replaced by those of a uniform pi = mu.
+
+    Padding logits may hold anything (NaN, inf): their statistics are junk, and a NaN
+    there would reach the gradient through a multiplication by zero. ``where`` cuts both
+    the value and the gradient path (the op's backward then sees a zero upstream gradient
+    on those rows and writes zeros there, whatever the logits hold). (N,) work only."""
+    if not valid.is_cuda and bool(valid.all()):
+        return red  # CPU without padding: nothing to replace (the test is free on CPU)
+    logv = math.log(V)
+    fill = {"lse": 0.0, "logp": -logv, "sum_p2": 1.0 / V, "entropy": logv, "topk_logp": -logv,
+            "full_kl": 0.0, "full_tv": 0.0, "full_mu_k": 1.0 / V, "sum_p_mu": 1.0 / V, "sum_p_s": 0.0,
+            "sum_p2_s": 0.0, "kept_mass": 1.0, "kept_size": V, "sampled_outside": 0, "kept_topk_mismatch": 0}
+    out = {}
+    for k, x in red.items():
+        m = valid if x.dim() == 1 else valid[:, None]
+        out[k] = torch.where(m, x, torch.full_like(x, fill[k])) if k in fill else x
+    return out
+
+
 def stats_from_batch(
     batch: Batch, *, temperature: float, chunk_rows: int | None = None, impl: str = "auto",
-    validate: bool = True,
+    validate: bool = True, sampling: ops.Sampling | None = None, chunk_cols: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient.
 
     ``chunk_rows`` (None: each implementation's default) and ``impl`` (see
     :func:`pdmask.ops.row_stats`; ``"auto"`` never needs Triton on CPU) are passed to
-    :mod:`pdmask.ops`.
+    :mod:`pdmask.ops`. ``sampling`` (checked truncation parameters) or ``batch.kept_mask``
+    make every statistic that of pi renormalised over the kept set and add
+    ``kept_mass``, ``kept_size``, ``sampled_outside`` (and, with top-K,
+    ``kept_topk_mismatch``). A batch with ``hidden`` states goes to
+    :func:`pdmask.ops.hidden_row_stats` (``chunk_cols`` vocabulary columns per chunk).
     """
-    red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=temperature,
-                        chunk_rows=chunk_rows, impl=impl, validate=False, rollout_logits=batch.rollout_logits)
+    trunc = {} if sampling is None else dict(sampling_top_k=sampling.top_k, sampling_top_p=sampling.top_p,
+                                             sampling_min_p=sampling.min_p)
+    if batch.hidden is not None:
+        red = ops.hidden_row_stats(batch.hidden, batch.lm_head_weight, batch.sampled_ids, batch.topk_ids,
+                                   temperature=temperature, chunk_cols=chunk_cols, chunk_rows=chunk_rows,
+                                   validate=False, kept_mask=batch.kept_mask, **trunc)
+    else:
+        red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=temperature,
+                            chunk_rows=chunk_rows, impl=impl, validate=False, rollout_logits=batch.rollout_logits,
+                            kept_mask=batch.kept_mask, **trunc)
+    if validate:  # one host sync, made only when validating (off on a trusted hot path)
+        v = batch.valid
+        checks = Checks()
+        what = "logits" if batch.hidden is None else "hidden"
+        checks.add(what, "a response row has no finite logit (all -inf, or NaN/inf values)",
+                   (~torch.isfinite(red["lse"]) & v).any())
+        if batch.rollout_logits is not None:
+            bad = ~(torch.isfinite(red["full_tv"]) & torch.isfinite(red["full_mu_k"]))
+            checks.add("rollout_logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
+                       (bad & v).any())
+        checks.run()
+    red = _sanitise_padding(red, batch.valid, batch.vocab_size)
     logp, lse = red["logp"], red["lse"]
-    # a host sync: made only when validating (off on a trusted hot path)
-    if validate and not torch.isfinite(lse[batch.valid]).all():
-        raise ValueError("logits: a response row has no finite logit (all -inf, or NaN/inf values)")
     logp_d = logp.detach()
     rlp = batch.rollout_logprob.to(lse.dtype)
     sum_p2 = red["sum_p2"]
@@ -100,6 +143,14 @@ def stats_from_batch(
         for est in ESTIMATORS:
             st[ddot_key("topk_kl", est)] = dirs.ddot_topk_kl(sup, est)
             st[ddot_key("topk_tv", est)] = dirs.ddot_topk_tv(sup, est)
+    if "kept_mass" in red:
+        st.update(kept_mass=red["kept_mass"], kept_size=red["kept_size"], sampled_outside=red["sampled_outside"])
+        if batch.topk_ids is not None:
+            # share of the top-K entries whose membership of the kept set differs between the
+            # engine (a -inf processed log-prob: outside) and the trainer's rebuilt set
+            eng = torch.isfinite(batch.topk_logprobs)
+            mine = torch.isfinite(red["topk_logp"])
+            st["kept_topk_mismatch"] = (eng != mine).to(lse.dtype).mean(-1)
     if batch.rollout_logits is not None:
         st.update({
             "full_kl": red["full_kl"],
@@ -109,6 +160,22 @@ def stats_from_batch(
         })
     st["valid"] = batch.valid
     return st
+
+
+def check_truncation(impl: str, top_k, top_p, min_p, kept_mask, rollout_logits) -> ops.Sampling | None:
+    """The scalar checks of truncated sampling (before any tensor is read): the parameters,
+    not both a kept set and parameters, no ``rollout_logits``, no Triton."""
+    ops.check_impl(impl)
+    sampling = ops.check_sampling(top_k, top_p, min_p)
+    truncated = sampling is not None or kept_mask is not None
+    if kept_mask is not None and sampling is not None:
+        raise ValueError("rollout_kept_mask: give either the engine's kept set or the sampling parameters "
+                         "(sampling_top_k / top_p / min_p), not both")
+    if truncated and rollout_logits is not None:
+        raise ValueError("rollout_logits: the full-vocabulary modes are not available with truncated sampling")
+    if truncated and impl == "triton":
+        raise ValueError("impl: 'triton' has no kernel for truncated sampling; use impl='torch' or 'auto'")
+    return sampling
 
 
 def unflatten(stats: dict[str, torch.Tensor], lead_shape: tuple) -> dict[str, torch.Tensor]:
@@ -128,6 +195,10 @@ def token_stats(
     chunk_size: int | None = None,
     validate: bool = True,
     impl: str = "auto",
+    sampling_top_k: int | None = None,
+    sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None,
+    rollout_kept_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every per-token statistic of the library, shaped like ``sampled_ids``.
 
@@ -146,6 +217,10 @@ def token_stats(
         impl: row-reduction implementation (:func:`pdmask.ops.row_stats`): ``"auto"``
             (Triton for CUDA logits when installed, else the chunked torch path; never
             needs Triton on CPU), ``"torch"``, ``"triton"``, ``"reference"``.
+        sampling_top_k, sampling_top_p, sampling_min_p, rollout_kept_mask: truncated
+            sampling (see :func:`pdmask.policy_loss`): statistics of pi renormalised over
+            the kept set; adds ``kept_mass``, ``kept_size``, ``sampled_outside``
+            (and ``kept_topk_mismatch`` with top-K).
 
     Returns a dict (``log_ratio = log pi_k - log mu_k``, ``ratio = exp(log_ratio)``
     capped at ``exp(MAX_LOG_RATIO)``):
@@ -161,9 +236,10 @@ def token_stats(
     # every scalar argument is checked before any work on the logits
     check_positive("temperature", temperature)
     check_chunk_size("chunk_size", chunk_size)
-    ops.check_impl(impl)
+    sampling = check_truncation(impl, sampling_top_k, sampling_top_p, sampling_min_p, rollout_kept_mask,
+                                rollout_logits)
     batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-                    response_mask, rollout_logits, validate)
+                    response_mask, rollout_logits, validate, rollout_kept_mask)
     st = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
-                          validate=validate)
+                          validate=validate, sampling=sampling)
     return unflatten(st, batch.lead_shape)

@@ -159,6 +159,32 @@ def test_gradient_zero_on_all_neg_inf_padding_row():
     assert torch.isfinite(grad).all() and (grad[2] == 0).all()
 
 
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), "mixed"], ids=["nan", "inf", "mixed"])
+def test_gradient_zero_on_nan_inf_padding_rows_of_the_loss(junk):
+    """Padding rows may hold NaN/inf logits: the kernel's backward writes 0 on rows whose
+    upstream gradient is 0 (as the torch path does), so the loss gradient stays finite."""
+    g = torch.Generator().manual_seed(1)
+    B, T, V, K = 2, 3, 40, 4
+    z = torch.randn(B, T, V, generator=g)
+    logmu = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    tk_lp, tk = logmu.topk(K, -1)
+    k = tk[..., 0]
+    mask = torch.tensor([[True, True, False], [False, True, True]])
+    zp = z.clone()
+    if junk == "mixed":
+        zp[~mask] = torch.tensor([float("nan"), float("inf"), float("-inf"), 1.0] * (V // 4))
+    else:
+        zp[~mask] = junk
+    args = tuple(_dev(a) for a in (k, tk_lp[..., 0], tk, tk_lp, torch.tensor([1.0, -0.5]), mask))
+    grads = []
+    for x0 in (z, zp):
+        x = x0.to(DEV, copy=True).requires_grad_()
+        pdmask.policy_loss(x, *args, impl="triton").loss.backward()
+        grads.append(x.grad.cpu())
+    assert torch.isfinite(grads[1]).all() and (grads[1][~mask] == 0).all()
+    torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_policy_loss_through_the_kernel_matches_reference():
     g = torch.Generator().manual_seed(0)
     B, T, V, K = 2, 3, 40, 4

@@ -53,7 +53,10 @@ class BatchMaskOutput:
     ``out_of_region`` (bool, O). ``metrics``: dict of detached scalars. ``mode``,
     ``delta_low``, ``delta_high``: the :func:`pdmask.policy_loss` settings that reproduce
     the mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"``, ``"jvp-top"`` (forward mode
-    through the top blocks only, ``params=N``) or ``"double-backward"``."""
+    through the top blocks only, ``params=N``) or ``"double-backward"``. ``logits``: with
+    ``share_forward=True``, the (B, T, V) response logits of the forward the mask was
+    computed on, differentiable with respect to every parameter of the model (the loss
+    reuses that forward); otherwise None."""
 
     mask: torch.Tensor
     ddot: torch.Tensor
@@ -64,6 +67,7 @@ class BatchMaskOutput:
     delta_low: float
     delta_high: float
     method: str
+    logits: torch.Tensor | None = None
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
@@ -136,15 +140,27 @@ class BatchMask:
 
     # ------------------------------------------------------------------ public
     def __call__(self, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
-                 rollout_topk_logprobs, advantages, *, validate: bool = True) -> BatchMaskOutput:
-        """The mask of one batch (see :func:`batch_mask` for the arguments)."""
+                 rollout_topk_logprobs, advantages, *, validate: bool = True,
+                 share_forward: bool = False) -> BatchMaskOutput:
+        """The mask of one batch (see :func:`batch_mask` for the arguments).
+
+        ``share_forward=True``: the forward runs on the model's own parameters (the subset
+        entering as views of them, :meth:`ParamSubset.aliases`) and its logits come back in
+        ``out.logits`` with their graph, so a trainer computes its loss on them and saves
+        one model forward::
+
+            out = bm(..., share_forward=True)
+            loss = policy_loss(out.logits, ..., **out.loss_kwargs()).loss
+            loss.backward()          # the ordinary gradient, through the same forward
+
+        The mask and ``ddot`` are the same as without it (tested)."""
         T = _check_layout(input_ids, attention_mask, response_mask, validate)
         if rollout_topk_ids is None or rollout_topk_logprobs is None:
             raise ValueError(f"rollout_topk_ids: the batch mask needs the rollout top-K ids and log-probs "
                              f"(divergence {self.divergence!r})")
         ids = input_ids[:, input_ids.shape[1] - T:]
         data = (input_ids, attention_mask, response_mask.bool(), ids, rollout_logprob, rollout_topk_ids,
-                rollout_topk_logprobs, advantages, validate)
+                rollout_topk_logprobs, advantages, validate, share_forward)
         if self.method != "auto":
             return self._run(self.method, *data)
         try:
@@ -159,15 +175,18 @@ class BatchMask:
 
     # ------------------------------------------------------------------ steps
     def _run(self, method, input_ids, attention_mask, rmask, ids, rollout_logprob, topk_ids, topk_lp,
-             advantages, validate) -> BatchMaskOutput:
+             advantages, validate, share) -> BatchMaskOutput:
         sub, Tmp = self.subset, self.temperature
         T = ids.shape[1]
-        leaves = [x.requires_grad_() for x in sub.leaves()]
+        # shared: views of the live parameters (the loss's backward goes through them);
+        # otherwise detached leaves, so nothing reaches the model's .grad
+        leaves = sub.aliases() if share else [x.requires_grad_() for x in sub.leaves()]
         ctx = dirl.math_attention() if method == "double-backward" else contextlib.nullcontext()
         capture = TopCapture(sub.top.blocks) if method == "jvp" and sub.top is not None else None
         with torch.enable_grad(), ctx:
             try:
-                logits = dirl.response_logits(self.model, sub.tensors(leaves), input_ids, attention_mask, T)  # (B, T, V)
+                logits = dirl.response_logits(self.model, sub.tensors(leaves, live=share), input_ids,
+                                              attention_mask, T)  # (B, T, V)
             finally:
                 if capture is not None:
                     capture.remove()
@@ -186,7 +205,8 @@ class BatchMask:
                 logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
                 b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
                 chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
-            grads = torch.autograd.grad(phi, leaves, retain_graph=method == "double-backward", allow_unused=True)
+            grads = torch.autograd.grad(phi, leaves, retain_graph=share or method == "double-backward",
+                                        allow_unused=True)
             grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
             v = pre.precondition_(self.optimizer, sub.params, [ns[0] for ns in sub.names], grads)
             del grads
@@ -197,13 +217,16 @@ class BatchMask:
                     ref = dirl.sampled_logprob(logits.detach(), ids, Tmp)
                     ddot = jvp_top_logprob(sub, capture, primals, v, ids, Tmp, ref, valid)
                     method = "jvp" if ddot is None else "jvp-top"
-                del logits
+                if not share:
+                    del logits
                 if ddot is None:
                     ddot = dirl.jvp_logprob(self.model, sub, primals, v, input_ids, attention_mask, ids, Tmp)
             else:
                 ddot = dirl.double_backward_logprob(dirl.sampled_logprob(logits, ids, Tmp), leaves, v)
         ddot = torch.where(valid, ddot.to(adv.dtype), torch.zeros_like(adv))
-        return self._decide(st, adv, out, ddot, phi_value, v, method)
+        res = self._decide(st, adv, out, ddot, phi_value, v, method)
+        res.logits = logits if share else None
+        return res
 
     def _decide(self, st, adv, out, ddot, phi_value, v, method) -> BatchMaskOutput:
         valid = st["valid"]

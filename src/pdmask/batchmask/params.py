@@ -57,9 +57,18 @@ class ParamSubset:
         """Fresh detached inputs (sharing storage with the parameters)."""
         return [p.detach() for p in self.params]
 
-    def tensors(self, inputs) -> dict[str, torch.Tensor]:
-        """The ``functional_call`` dict: input j under each of its names, the rest detached."""
-        out = {n: p.detach() for n, p in self.fixed.items()}
+    def aliases(self) -> list[torch.Tensor]:
+        """Differentiable views of the parameters, one per input: a gradient taken with
+        respect to alias j counts only the uses the subset selected (a tied head's output
+        projection, not its input embedding), while a loss on the same forward still
+        back-propagates into the parameter through the view."""
+        return [p.view_as(p) for p in self.params]
+
+    def tensors(self, inputs, *, live: bool = False) -> dict[str, torch.Tensor]:
+        """The ``functional_call`` dict: input j under each of its names, the rest detached
+        (``live``: the rest are the parameters themselves, so a loss on the same forward
+        reaches every parameter)."""
+        out = {n: (p if live else p.detach()) for n, p in self.fixed.items()}
         for names, x in zip(self.names, inputs):
             for n in names:
                 out[n] = x

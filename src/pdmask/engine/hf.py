@@ -11,6 +11,12 @@ Sampling distribution at every step: ``mu = softmax(z.float() / temperature)`` w
 same float32 ``log_softmax``, so the top-K log-probs equal
 ``log_softmax(logits / T)`` at the top-K ids exactly (tested).
 
+Truncated sampling (``sampling_top_k`` / ``sampling_top_p`` / ``sampling_min_p``, vLLM's
+rules and order, :func:`pdmask.ops.sampling_kept_mask`): ``mu`` is renormalised over the
+kept set before sampling, and the reported log-probs are those of the renormalised
+distribution (vLLM's ``processed_logprobs``; top-K entries beyond the kept set are -inf).
+The loss must then get the same parameters (it renormalises pi over the same rule).
+
 Determinism: sampling draws from a ``torch.Generator`` seeded with ``seed`` (one per
 ``generate`` call); on CPU the same weights, prompts and seed give the same tokens.
 
@@ -25,6 +31,7 @@ import inspect
 
 import torch
 
+from ..ops import check_sampling, sampling_kept_mask
 from .base import RolloutBatch, RolloutEngine
 from .precision import apply_precision, check_precision, compute_dtype
 
@@ -72,12 +79,16 @@ def sample(
     seed: int = 0,
     greedy: bool = False,
     return_logits: bool = False,
+    sampling_top_k: int | None = None,
+    sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None,
 ) -> RolloutBatch:
     """Batched sampling with a KV cache; returns a :class:`RolloutBatch`.
 
     A response ends at (and includes) its first ``eos_id``; later slots hold
     ``pad_id`` with ``response_mask`` False. ``greedy`` takes the argmax (log-probs are
-    still those of ``softmax(z / temperature)``).
+    still those of ``softmax(z / temperature)``). ``sampling_*`` truncate the sampling
+    distribution (module docstring; 0 / 1 / 0 or None: off).
     """
     from transformers import DynamicCache
 
@@ -85,6 +96,7 @@ def sample(
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
+    trunc = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
     dev = next(model.parameters()).device
     V = model.get_output_embeddings().weight.shape[0]
     K = min(top_k_logprobs, V)
@@ -99,7 +111,11 @@ def sample(
     toks, masks, lps, tk_ids, tk_lps, raw = [], [], [], [], [], []
     for _ in range(max_new_tokens):
         z = out.logits[:, -1].float()  # (B, V) raw logits in float32
-        logq = torch.log_softmax(z / temperature, -1)  # (B, V) log mu
+        y = z / temperature
+        if trunc is not None:  # mu renormalised over the kept set (vLLM's processed log-probs)
+            y = y.masked_fill(~sampling_kept_mask(y, top_k=trunc.top_k, top_p=trunc.top_p, min_p=trunc.min_p),
+                              float("-inf"))
+        logq = torch.log_softmax(y, -1)  # (B, V) log mu
         if greedy:
             k = logq.argmax(-1)
         else:
@@ -161,13 +177,20 @@ class HFEngine(RolloutEngine):
         precision: ``fp32 | bf16 | fp16 | fp8 | fp8-bf16`` (see :mod:`.precision`).
         temperature: sampling temperature.
         top_k_logprobs: K of the reported top-K.
+        sampling_top_k, sampling_top_p, sampling_min_p: truncated sampling (vLLM's rules
+            and order; None, 0 / 1 / 0: off); the reported log-probs are those of the
+            renormalised distribution.
     """
 
     name = "hf"
 
     def __init__(self, model, *, eos_id: int, pad_id: int, precision: str = "fp32",
-                 temperature: float = 1.0, top_k_logprobs: int = 20):
+                 temperature: float = 1.0, top_k_logprobs: int = 20, sampling_top_k: int | None = None,
+                 sampling_top_p: float | None = None, sampling_min_p: float | None = None):
         check_precision(precision)
+        check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
+        self.sampling = dict(sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
+                             sampling_min_p=sampling_min_p)
         if temperature <= 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         if top_k_logprobs < 1:
@@ -205,7 +228,7 @@ class HFEngine(RolloutEngine):
                  return_logits: bool = False) -> RolloutBatch:
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=self.eos_id,
                       pad_id=self.pad_id, temperature=self.temperature,
-                      top_k_logprobs=self.top_k_logprobs, seed=seed, return_logits=return_logits)
+                      top_k_logprobs=self.top_k_logprobs, seed=seed, return_logits=return_logits, **self.sampling)
 
     @torch.no_grad()
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

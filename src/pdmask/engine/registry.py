@@ -57,20 +57,32 @@ def build_engine(cfg, model, tokenizer) -> RolloutEngine:
     ``engine``, ``engine_precision``, ``temperature`` and ``top_k`` fields); the token
     ids come from ``tokenizer``. Equivalent to ``make_engine(cfg.engine, model,
     tokenizer=tokenizer, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-    precision=cfg.engine_precision, temperature=cfg.temperature, top_k_logprobs=cfg.top_k)``.
+    precision=cfg.engine_precision, temperature=cfg.temperature, top_k_logprobs=cfg.top_k)``,
+    plus the truncated-sampling fields ``sampling_top_k/top_p/min_p`` when one is on
+    (the hf engine samples with them; another backend refuses them).
     """
+    trunc = {k: getattr(cfg, k, None) for k in SAMPLING_FIELDS}
+    on = {k: v for k, v in trunc.items() if v not in (None, 0, -1, 1, 1.0, 0.0)}
+    if on and cfg.engine != "hf":
+        raise ValueError(f"{next(iter(on))}: truncated sampling is built into the hf engine only "
+                         f"(engine={cfg.engine!r} samples with the temperature alone)")
     return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
                        pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
-                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k)
+                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k, **on)
+
+
+#: Trainer-config fields of truncated sampling, passed to the engine when set.
+SAMPLING_FIELDS = ("sampling_top_k", "sampling_top_p", "sampling_min_p")
 
 
 def _make_hf(model, *, tokenizer=None, eos_id, pad_id, precision, temperature, top_k_logprobs, **options):
     from .hf import HFEngine
 
+    trunc = {k: options.pop(k) for k in SAMPLING_FIELDS if k in options}
     if options:
         raise ValueError(f"engine_options: the hf engine takes none, got {sorted(options)}")
     return HFEngine(model, eos_id=eos_id, pad_id=pad_id, precision=precision, temperature=temperature,
-                    top_k_logprobs=top_k_logprobs)
+                    top_k_logprobs=top_k_logprobs, **trunc)
 
 
 register_engine("hf", _make_hf)

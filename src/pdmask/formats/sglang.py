@@ -32,12 +32,14 @@ therefore not exactly the distribution the token was sampled from
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import _check as C
 from .topk import RolloutTopK, assemble, check_k
 from .vllm import EngineSemanticsWarning
 
@@ -77,33 +79,61 @@ def check_sglang_semantics(
             EngineSemanticsWarning, stacklevel=stacklevel)
 
 
-def _meta(item) -> Mapping:
+def _meta(item, b: int) -> Mapping:
     if isinstance(item, Mapping) and "meta_info" in item:
+        if not isinstance(item["meta_info"], Mapping):
+            C.fail("results", f"sequence {b}", f"'meta_info' must be a dict, got {type(item['meta_info']).__name__}")
         return item["meta_info"]
     if isinstance(item, Mapping):
         return item
-    raise ValueError(f"results: expected SGLang result dicts (with 'meta_info') or meta_info dicts, "
-                     f"got {type(item).__name__}")
+    raise ValueError(f"results: sequence {b}: expected an SGLang result dict (with 'meta_info') or a meta_info "
+                     f"dict, got {type(item).__name__}")
 
 
-def _b64(s: str, dtype: torch.dtype) -> list:
-    raw = bytearray(base64.b64decode(s))
+def _b64(meta: Mapping, field: str, dtype: torch.dtype, b: int) -> list:
+    """A base64 little-endian array; truncated or malformed text is an error naming the field."""
+    s = meta[field]
+    where = f"sequence {b}"
+    if not isinstance(s, (str, bytes)):
+        C.fail("results", where, f"meta_info[{field!r}] must be a base64 string, got {type(s).__name__}")
+    try:
+        raw = bytearray(base64.b64decode(s, validate=True))
+    except (binascii.Error, ValueError) as e:
+        C.fail("results", where, f"meta_info[{field!r}] is not valid base64 ({e}); truncated?")
+    size = torch.empty(0, dtype=dtype).element_size()
+    if len(raw) % size:
+        C.fail("results", where, f"meta_info[{field!r}] decodes to {len(raw)} bytes, not a whole number of "
+                                 f"{size}-byte {str(dtype).removeprefix('torch.')} values; truncated?")
     return torch.frombuffer(raw, dtype=dtype).tolist() if raw else []
 
 
 def _flat_rows(meta: Mapping, b: int, n_tokens: int):
     """Rows (list per position, or None) from the flat raw output format."""
+    where = f"sequence {b}"
     shape = meta["output_top_logprobs_shape"]
+    if (not isinstance(shape, (list, tuple)) or len(shape) != 2 or not all(C.is_int(x) and x >= 0 for x in shape)):
+        C.fail("results", where, f"meta_info['output_top_logprobs_shape'] must be [rows, K] (two ints >= 0), "
+                                 f"got {shape!r}")
     rows, k = int(shape[0]), int(shape[1])
-    null = int(meta.get("output_top_logprobs_null_prefix", 0))
+    null = meta.get("output_top_logprobs_null_prefix", 0)
+    if not C.is_int(null) or null < 0:
+        C.fail("results", where, f"meta_info['output_top_logprobs_null_prefix'] must be an int >= 0, got {null!r}")
+    null = int(null)
     if "output_top_logprobs_val_flat_b64" in meta:
         for f, want in (("val", "float32"), ("idx", "int32")):
             got = meta.get(f"output_top_logprobs_{f}_flat_b64_dtype", want)
             if got != want:
                 raise ValueError(f"results: sequence {b}: unsupported output_top_logprobs_{f}_flat_b64_dtype {got!r}")
-        vals = _b64(meta["output_top_logprobs_val_flat_b64"], torch.float32)
-        idx = _b64(meta["output_top_logprobs_idx_flat_b64"], torch.int32)
+        if "output_top_logprobs_idx_flat_b64" not in meta:
+            C.fail("results", where, "meta_info has output_top_logprobs_val_flat_b64 but no "
+                                     "output_top_logprobs_idx_flat_b64")
+        vals = _b64(meta, "output_top_logprobs_val_flat_b64", torch.float32, b)
+        idx = _b64(meta, "output_top_logprobs_idx_flat_b64", torch.int32, b)
     else:
+        for f in ("output_top_logprobs_val_flat", "output_top_logprobs_idx_flat"):
+            if f not in meta:
+                C.fail("results", where, f"meta_info has output_top_logprobs_shape but no {f}")
+            C.as_sequence(meta[f], "results", where, f"meta_info[{f!r}] as a list")
         vals, idx = list(meta["output_top_logprobs_val_flat"]), list(meta["output_top_logprobs_idx_flat"])
     if len(vals) != rows * k or len(idx) != rows * k:
         raise ValueError(f"results: sequence {b}: flat top log-probs have {len(vals)} values / {len(idx)} ids, "
@@ -115,6 +145,16 @@ def _flat_rows(meta: Mapping, b: int, n_tokens: int):
     for r in range(rows):
         out.append([(vals[r * k + j], idx[r * k + j]) for j in range(k)])
     return out
+
+
+def _entry(e, b: int, t: int, what: str, k: int | None = None):
+    """One ``(logprob, token_id[, text])`` entry, checked: (log-prob or None, id)."""
+    where = f"sequence {b}, token {t}"
+    field = what if k is None else f"{what} entry {k}"
+    if isinstance(e, (str, bytes, Mapping)) or not isinstance(e, Sequence) or len(e) < 2:
+        C.fail("results", where, f"{field} must be a (logprob, token_id, text) triple, got {e!r}")
+    lp = None if e[0] is None else C.logprob(e[0], "results", where, f"{field}'s log-prob")
+    return lp, C.token_id(e[1], "results", where, f"{field}'s token id")
 
 
 def from_sglang(
@@ -151,27 +191,33 @@ def from_sglang(
     k = check_k(k)
     check_sglang_semantics(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                            return_original_logprob=return_original_logprob, stacklevel=3)
-    if output_ids is not None and len(output_ids) != len(results):
-        raise ValueError(f"output_ids: {len(output_ids)} sequences but results has {len(results)}")
+    C.as_sequence(results, "results", "", "a list of SGLang results (one per sequence)")
+    if output_ids is not None:
+        C.as_sequence(output_ids, "output_ids", "", "one list of token ids per sequence")
+        if len(output_ids) != len(results):
+            raise ValueError(f"output_ids: {len(output_ids)} sequences but results has {len(results)}")
     pos, ids, lps, ranks = [], [], [], []
     sampled = []
     base = 0
     for b, item in enumerate(results):
-        meta = _meta(item)
+        meta = _meta(item, b)
         if "output_token_logprobs" not in meta:
             raise ValueError(f"results: sequence {b} has no meta_info['output_token_logprobs'] "
                              "(request with return_logprob=True)")
-        tok = meta["output_token_logprobs"]
-        s_ids = [int(e[1]) for e in tok]
+        tok = C.as_sequence(meta["output_token_logprobs"], "results", f"sequence {b}",
+                            "meta_info['output_token_logprobs'] as a list")
+        entries = [_entry(e, b, t, "output_token_logprobs") for t, e in enumerate(tok)]
+        s_ids = [i for _, i in entries]
         ref = output_ids[b] if output_ids is not None else (
             item.get("output_ids") if isinstance(item, Mapping) and "meta_info" in item else None)
-        if ref is not None and [int(t) for t in ref] != s_ids:
+        if ref is not None and C.token_ids(ref, "output_ids", f"sequence {b}") != s_ids:
             raise ValueError(f"output_ids: sequence {b} does not match the ids in output_token_logprobs")
         if k > 0:
             if "output_top_logprobs_shape" in meta:
                 rows = _flat_rows(meta, b, len(tok))
             elif "output_top_logprobs" in meta:
-                rows = meta["output_top_logprobs"]
+                rows = C.as_sequence(meta["output_top_logprobs"], "results", f"sequence {b}",
+                                     "meta_info['output_top_logprobs'] as a list")
                 if len(rows) != len(tok):
                     raise ValueError(f"results: sequence {b}: {len(rows)} top-log-prob rows for {len(tok)} tokens")
             else:
@@ -179,22 +225,25 @@ def from_sglang(
                                  f"top_logprobs_num >= {k})")
         else:
             rows = [None] * len(tok)
-        for t, e in enumerate(tok):
-            if e[0] is None:
+        for t, (s_lp, s_id) in enumerate(entries):
+            if s_lp is None:
                 raise ValueError(f"results: sequence {b}, token {t}: the sampled token's log-prob is null")
             row = rows[t] or []
             if k > 0 and not row:
                 raise ValueError(f"results: sequence {b}, token {t} has no top log-probs")
+            C.as_sequence(row, "results", f"sequence {b}, token {t}", "output_top_logprobs row as a list")
             for j, r in enumerate(row):
+                lp, tid = _entry(r, b, t, "output_top_logprobs", j)
                 pos.append(base + t)
-                ids.append(int(r[1]))
-                lps.append(-math.inf if r[0] is None else float(r[0]))
+                ids.append(tid)
+                lps.append(-math.inf if lp is None else lp)
                 ranks.append(j + 1)
             # the sampled token: ranked after the whole top-K list (it is there only
-            # when it is not in the top-K; merged by id otherwise)
+            # when it is not in the top-K; merged by id otherwise, and its log-prob must
+            # then equal its top-K entry's)
             pos.append(base + t)
-            ids.append(s_ids[t])
-            lps.append(float(e[0]))
+            ids.append(s_id)
+            lps.append(s_lp)
             ranks.append(len(row) + 1)
         sampled.append(s_ids)
         base += len(tok)

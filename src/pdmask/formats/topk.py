@@ -16,7 +16,11 @@ Rules of :func:`assemble`, per position:
 
 1. Entries with the same id are merged, keeping the smallest rank (vLLM's
    ``FlatLogprobs`` stores the sampled token twice when it is in the top-K: once
-   first with its own rank, once at its top-K place).
+   first with its own rank, once at its top-K place; SGLang's sampled token is merged
+   with its top-K entry the same way). Their log-probs must agree within the core's
+   rounding tolerance (``|a - b| <= MATCH_ATOL + MATCH_RTOL |b|``, see
+   :mod:`pdmask._validate`); the kept entry's value is used. Duplicates with different
+   log-probs are an error naming the position: there is no right one to pick.
 2. The sampled token's log-prob is read from its own entry; a position without one is
    an error (the engine always reports it, so its absence means misaligned inputs).
 3. The entries are ordered by rank (or, where a rank is missing, by descending log-prob
@@ -40,7 +44,7 @@ import torch
 
 # Engine log-probs above LOGPROB_TOL are not log-probs (raw logits, or a wrong mode); the
 # same tolerance as the core's checks of the loss inputs.
-from .._validate import LOGPROB_TOL
+from .._validate import LOGPROB_TOL, MATCH_ATOL, MATCH_RTOL
 
 #: Stand-in for an unknown rank: sorts after every real rank.
 _NO_RANK = 1 << 62
@@ -143,12 +147,15 @@ def _check_entries(pos, ids, logprobs, lay: _Layout, arg: str) -> None:
         raise ValueError(
             f"{arg}: positive log-prob {float(logprobs[bad][0]):.4g} at {lay.where(n)}; "
             "these look like logits, not log-probs (vLLM logprobs_mode='raw_logits'/'processed_logits'?)")
-    if bool((ids < 0).any()):
-        raise ValueError(f"{arg}: negative token id")
+    neg = ids < 0
+    if bool(neg.any()):
+        i = int(neg.nonzero()[0, 0])
+        raise ValueError(f"{arg}: negative token id {int(ids[i])} at {lay.where(int(pos[i]))}")
 
 
-def _merge_duplicates(pos, ids, logprobs, ranks):
-    """Rule 1: one entry per (position, id), the one with the smallest rank.
+def _merge_duplicates(pos, ids, logprobs, ranks, lay: _Layout, arg: str):
+    """Rule 1: one entry per (position, id), the one with the smallest rank; duplicates
+    must carry the same log-prob (within rounding).
 
     Returns the kept ``pos, ids, logprobs, ranks`` and their sort key ``rank_key`` (the
     rank, or :data:`_NO_RANK` where unknown)."""
@@ -160,6 +167,17 @@ def _merge_duplicates(pos, ids, logprobs, ranks):
     key = pos[o] * span + ids[o]
     first = torch.ones_like(key, dtype=torch.bool)
     first[1:] = key[1:] != key[:-1]
+    if not bool(first.all()):
+        lp = logprobs[o]
+        head = torch.cumsum(first.long(), 0) - 1  # group of each sorted entry
+        kept = lp[first][head]  # the group's kept value, per entry
+        same = (lp == kept) | ((lp - kept).abs() <= MATCH_ATOL + MATCH_RTOL * kept.abs())
+        if not bool(same.all()):
+            j = int((~same).nonzero()[0, 0])
+            raise ValueError(
+                f"{arg}: token id {int(ids[o][j])} appears twice at {lay.where(int(pos[o][j]))} with different "
+                f"log-probs ({float(kept[j]):.6g} and {float(lp[j]):.6g}); the engine reports one value per token "
+                "(misaligned or mixed outputs?)")
     o = o[first]
     return pos[o], ids[o], logprobs[o], ranks[o], rank_key[o]
 
@@ -240,7 +258,7 @@ def assemble(
     lay = _layout(sampled_ids, pad_to)
     B, T = lay.B, lay.T
     _check_entries(pos, ids, logprobs, lay, arg)
-    pos, ids, logprobs, ranks, rank_key = _merge_duplicates(pos, ids, logprobs, ranks)
+    pos, ids, logprobs, ranks, rank_key = _merge_duplicates(pos, ids, logprobs, ranks, lay, arg)
     is_s, s_lp = _sampled_logprob(pos, ids, logprobs, lay, arg)  # (E,), (N,)
 
     topk_ids = topk_lp = None

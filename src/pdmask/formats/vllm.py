@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from . import _check as C
 from .topk import RolloutTopK, assemble, check_k
 
 __all__ = [
@@ -146,28 +147,45 @@ def _is_flat(x) -> bool:
     return all(hasattr(x, a) for a in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks"))
 
 
-def _rank(r) -> int:
-    return -1 if r is None else int(r)
+def _rank(r, arg: str, where: str) -> int:
+    if r is None:
+        return -1
+    if not C.is_int(r):
+        C.fail(arg, where, f"rank must be an int or None, got {r!r} ({type(r).__name__})")
+    return int(r)
 
 
-def _tensor(values, dtype, none):
-    """torch.tensor of a list, replacing None by ``none`` only when there is one (slow path)."""
-    try:
-        return torch.tensor(values, dtype=dtype)
-    except (TypeError, RuntimeError):
-        return torch.tensor([none if v is None else v for v in values], dtype=dtype)
+def _flat_seq(seq_lp, n_tokens: int, b: int, arg: str, base: int):
+    """A ``FlatLogprobs`` -> entry tensors, without a Python loop over entries (the fields
+    are checked vectorised; a per-element scan runs only to name a bad element)."""
+    seq = f"sequence {b}"
+    starts = C.int_tensor(seq_lp.start_indices, arg, "FlatLogprobs.start_indices", lambda t: f"{seq}, token {t}")
+    ends = C.int_tensor(seq_lp.end_indices, arg, "FlatLogprobs.end_indices", lambda t: f"{seq}, token {t}")
+    if starts.numel() != n_tokens or ends.numel() != n_tokens:
+        C.fail(arg, seq, f"FlatLogprobs has {starts.numel()} start_indices and {ends.numel()} end_indices "
+                         f"for {n_tokens} completion tokens")
+    E = len(seq_lp.logprobs)
+    for name in ("token_ids", "ranks"):
+        if len(getattr(seq_lp, name)) != E:
+            C.fail(arg, seq, f"FlatLogprobs.{name} has {len(getattr(seq_lp, name))} entries, "
+                             f"FlatLogprobs.logprobs {E}")
+    counts = ends - starts  # (T,)
+    bad = (counts < 0) | (ends > E)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        C.fail(arg, f"{seq}, token {t}", f"FlatLogprobs range [{int(starts[t])}, {int(ends[t])}) is not inside "
+                                         f"the {E} entries")
 
+    def where(i: int) -> str:  # the position an entry index belongs to
+        hit = ((starts <= i) & (i < ends)).nonzero()
+        return f"{seq}, token {int(hit[0, 0])}" if hit.numel() else f"{seq}, entry {i} (in no position's range)"
 
-def _flat_seq(seq_lp, n_tokens: int, base: int):
-    """A ``FlatLogprobs`` -> entry tensors, without a Python loop over entries."""
-    starts = torch.tensor(list(seq_lp.start_indices), dtype=torch.int64)
-    counts = torch.tensor(list(seq_lp.end_indices), dtype=torch.int64) - starts  # (T,)
     pos = base + torch.repeat_interleave(torch.arange(n_tokens), counts)
     first = torch.cumsum(counts, 0) - counts
     idx = torch.repeat_interleave(starts - first, counts) + torch.arange(int(counts.sum()))  # (E,)
-    ids = _tensor(seq_lp.token_ids, torch.int64, -1)[idx]
-    lps = _tensor(seq_lp.logprobs, torch.float64, float("nan"))[idx]
-    ranks = _tensor(seq_lp.ranks, torch.int64, -1)[idx]
+    ids = C.int_tensor(seq_lp.token_ids, arg, "FlatLogprobs.token_ids", where)[idx]
+    lps = C.float_tensor(seq_lp.logprobs, arg, "FlatLogprobs.logprobs", where)[idx]
+    ranks = C.int_tensor(seq_lp.ranks, arg, "FlatLogprobs.ranks", where, none=-1, minimum=None)[idx]
     return pos, ids, lps, ranks
 
 
@@ -181,7 +199,6 @@ class _Entries:
     def flush(self):
         pos, ids, lps, ranks = self.lists
         if pos:
-            lps = [float("nan") if v is None else v for v in lps]
             self.chunks.append((torch.tensor(pos, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                                 torch.tensor(lps, dtype=torch.float64), torch.tensor(ranks, dtype=torch.int64)))
             self.lists = ([], [], [], [])
@@ -197,31 +214,49 @@ class _Entries:
 def _flatten_seq(seq_lp, n_tokens: int, b: int, arg: str, base: int, out: _Entries) -> None:
     if seq_lp is None:
         raise ValueError(f"{arg}: sequence {b} has no log-probs (was SamplingParams.logprobs set?)")
+    if _is_flat(seq_lp):
+        out.flush()
+        out.chunks.append(_flat_seq(seq_lp, n_tokens, b, arg, base))
+        return
+    C.as_sequence(seq_lp, arg, f"sequence {b}", "a list of per-token dicts {token id: Logprob} or a FlatLogprobs")
     if len(seq_lp) != n_tokens:
         raise ValueError(f"{arg}: sequence {b} has {len(seq_lp)} log-prob positions but {n_tokens} "
                          "completion token ids")
-    if _is_flat(seq_lp):
-        out.flush()
-        out.chunks.append(_flat_seq(seq_lp, n_tokens, base))
-        return
     pos, ids, lps, ranks = out.lists
     for t, d in enumerate(seq_lp):
-        if not d:
+        if d is None or (isinstance(d, Mapping) and not d):
             raise ValueError(f"{arg}: sequence {b}, token {t} has no log-prob entries")
+        if not isinstance(d, Mapping):
+            C.fail(arg, f"sequence {b}, token {t}", f"expected a dict {{token id: Logprob}}, got {type(d).__name__}")
+        n = len(d)
+        pos.extend([base + t] * n)
         for tid, lp in d.items():
-            pos.append(base + t)
-            ids.append(tid)
-            if isinstance(lp, (int, float)):  # a plain {id: logprob} dict
-                lps.append(float(lp))
-                ranks.append(-1)
+            # exact-type fast paths; the checked (slow) path only for anything unusual
+            if type(tid) is not int or tid < 0:
+                tid = C.token_id(tid, arg, f"sequence {b}, token {t}")
+            tl = type(lp)
+            if tl is float or tl is int:  # a plain {id: logprob} dict
+                value, rank = float(lp), -1
+            elif hasattr(lp, "logprob"):
+                value, rank = lp.logprob, getattr(lp, "rank", None)
+                if type(value) is not float:
+                    value = C.logprob(value, arg, f"sequence {b}, token {t}", f"Logprob.logprob of token id {tid}")
+                if rank is None:
+                    rank = -1
+                elif type(rank) is not int:
+                    rank = _rank(rank, arg, f"sequence {b}, token {t}")
+            elif C.is_real(lp):
+                value, rank = float(lp), -1
             else:
-                lps.append(lp.logprob)
-                ranks.append(_rank(getattr(lp, "rank", None)))
+                C.fail(arg, f"sequence {b}, token {t}", f"the entry of token id {tid} must be a Logprob or a "
+                                                        f"number, got {lp!r} ({type(lp).__name__})")
+            ids.append(tid)
+            lps.append(value)
+            ranks.append(rank)
 
 
 def _to_tensors(out):
     pos, ids, lps, ranks = out
-    lps = [float("nan") if v is None else v for v in lps]
     return (torch.tensor(pos, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
             torch.tensor(lps, dtype=torch.float64), torch.tensor(ranks, dtype=torch.int64))
 
@@ -264,13 +299,15 @@ def from_vllm_logprobs(
     """
     check_sampling_semantics(logprobs_mode=logprobs_mode, temperature=temperature, top_p=top_p,
                              top_k=top_k, min_p=min_p, stacklevel=3)
+    C.as_sequence(logprobs, "logprobs", "", "one entry per sequence (a list)")
+    C.as_sequence(token_ids, "token_ids", "", "one list of token ids per sequence")
     if len(logprobs) != len(token_ids):
         raise ValueError(f"logprobs: {len(logprobs)} sequences but token_ids has {len(token_ids)}")
     out = _Entries()
     base = 0
     sampled = []
     for b, (seq_lp, seq_ids) in enumerate(zip(logprobs, token_ids)):
-        seq_ids = [int(t) for t in seq_ids]
+        seq_ids = C.token_ids(seq_ids, "token_ids", f"sequence {b}")
         _flatten_seq(seq_lp, len(seq_ids), b, "logprobs", base, out)
         sampled.append(seq_ids)
         base += len(seq_ids)
@@ -297,14 +334,18 @@ def from_vllm_outputs(
     ``logprobs_mode_of(llm)``) and ``sampling_params`` to get the semantics check.
     """
     comps = []
-    for o in outputs:
-        comps.extend(o.outputs if hasattr(o, "outputs") else [o])
+    for i, o in enumerate(C.as_sequence(outputs, "outputs", "", "a list of RequestOutput / CompletionOutput")):
+        for c in (o.outputs if hasattr(o, "outputs") else [o]):
+            if not (hasattr(c, "logprobs") and hasattr(c, "token_ids")):
+                C.fail("outputs", f"item {i}", f"expected a vLLM RequestOutput or CompletionOutput, got "
+                                               f"{type(c).__name__}")
+            comps.append(c)
     if k is None:
         k = getattr(sampling_params, "logprobs", None)
         if k is None:
             raise ValueError("k: not given and sampling_params.logprobs is unset")
     fields = _sampling_fields(sampling_params) if sampling_params is not None else {}
-    return from_vllm_logprobs([c.logprobs for c in comps], [list(c.token_ids) for c in comps], k=k,
+    return from_vllm_logprobs([c.logprobs for c in comps], [c.token_ids for c in comps], k=k,
                               logprobs_mode=logprobs_mode, pad_to=pad_to, pad_id=pad_id, dtype=dtype,
                               device=device, **{n: fields.get(n) for n in ("temperature", "top_p", "top_k",
                                                                             "min_p")})
@@ -329,6 +370,8 @@ def from_ranked_lists(
     a sampled token outside the top-K (the (K+1)-th entry) is the one dropped, also when
     it ties with the K-th.
     """
+    for name, x in (("logprobs", logprobs), ("logprob_token_ids", logprob_token_ids), ("token_ids", token_ids)):
+        C.as_sequence(x, name, "", "one list per sequence")
     if not (len(logprobs) == len(logprob_token_ids) == len(token_ids)):
         raise ValueError(f"logprobs: {len(logprobs)} sequences, logprob_token_ids {len(logprob_token_ids)}, "
                          f"token_ids {len(token_ids)}; they must match")
@@ -336,18 +379,27 @@ def from_ranked_lists(
     base = 0
     sampled = []
     for b, (lp_seq, id_seq, s_seq) in enumerate(zip(logprobs, logprob_token_ids, token_ids)):
-        s_seq = [int(t) for t in s_seq]
+        s_seq = C.token_ids(s_seq, "token_ids", f"sequence {b}")
+        C.as_sequence(lp_seq, "logprobs", f"sequence {b}", "a list of per-token lists")
+        C.as_sequence(id_seq, "logprob_token_ids", f"sequence {b}", "a list of per-token lists")
         if len(lp_seq) != len(s_seq) or len(id_seq) != len(s_seq):
             raise ValueError(f"logprobs: sequence {b} has {len(lp_seq)} positions (ids: {len(id_seq)}) "
                              f"but {len(s_seq)} completion token ids")
         for t, (lp_row, id_row) in enumerate(zip(lp_seq, id_seq)):
+            where = f"sequence {b}, token {t}"
+            C.as_sequence(lp_row, "logprobs", where, "a list of log-probs")
+            C.as_sequence(id_row, "logprob_token_ids", where, "a list of token ids")
             if len(lp_row) != len(id_row):
-                raise ValueError(f"logprob_token_ids: sequence {b}, token {t} has {len(id_row)} ids "
+                raise ValueError(f"logprob_token_ids: {where} has {len(id_row)} ids "
                                  f"for {len(lp_row)} log-probs")
             n = len(lp_row)
             pos.extend([base + t] * n)
-            ids.extend(id_row)
-            lps.extend(lp_row)
+            ids.extend(C.token_id(x, "logprob_token_ids", where) for x in id_row)
+            for x in lp_row:
+                if x is None:  # TRL's stand-in for NaN
+                    C.fail("logprobs", where, "a log-prob is None (TRL writes None for NaN); the engine's "
+                                              "log-probs are broken at this position")
+                lps.append(C.logprob(x, "logprobs", where))
             ranks.extend([-1] * n)
         sampled.append(s_seq)
         base += len(s_seq)

@@ -39,11 +39,13 @@ from . import _reference, _torch
 from ._autograd import KEYS, FusedRowStats
 from ._device import check_device
 from ._reference import FULL_KEYS, chunk_rows_for, compute_dtype
+from ._truncate import TRUNC_KEYS, Sampling, check_sampling
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
-__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "FusedRowStats", "check_impl", "chunk_rows_for", "compute_dtype",
-           "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
+__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "TRUNC_KEYS", "FusedRowStats", "Sampling", "check_impl", "check_kept_mask",
+           "check_sampling", "chunk_rows_for", "sampling_kept_mask", "compute_dtype", "hidden_row_stats", "resolve_impl", "row_stats",
+           "triton_available"]
 
 
 @lru_cache(maxsize=1)
@@ -57,11 +59,17 @@ def check_impl(impl: str) -> None:
     check_choice("impl", impl, IMPLS)
 
 
-def resolve_impl(impl: str, logits: torch.Tensor) -> str:
-    """The implementation ``impl`` stands for on these logits (``"auto"`` resolved)."""
+def resolve_impl(impl: str, logits: torch.Tensor, truncated: bool = False) -> str:
+    """The implementation ``impl`` stands for on these logits (``"auto"`` resolved;
+    truncated sampling runs on the torch path)."""
     check_impl(impl)
+    if impl == "triton" and truncated:
+        raise ValueError("impl: 'triton' has no kernel for truncated sampling (sampling_top_k / top_p / min_p, "
+                         "kept_mask); use impl='torch' or 'auto'")
     if impl != "auto":
         return impl
+    if truncated:
+        return "torch"
     if logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available():
         return "triton"
     return "torch"
@@ -107,6 +115,34 @@ def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool,
     check_chunk_size("chunk_rows", chunk_rows)
 
 
+def check_kept_mask(kept_mask, shape: tuple, sampling, name: str = "kept_mask") -> None:
+    """``kept_mask`` is None or a bool tensor of ``shape`` (the engine's kept set), and not
+    given together with sampling parameters."""
+    if kept_mask is None:
+        return
+    if not isinstance(kept_mask, torch.Tensor) or kept_mask.dtype != torch.bool:
+        raise ValueError(f"{name}: expected a bool tensor (the engine's kept set), got "
+                         f"{getattr(kept_mask, 'dtype', type(kept_mask).__name__)}")
+    if tuple(kept_mask.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(kept_mask.shape)}")
+    if sampling is not None:
+        raise ValueError(f"{name}: give either the engine's kept set or the sampling parameters "
+                         "(sampling_top_k / top_p / min_p), not both")
+
+
+def sampling_kept_mask(scaled_logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
+                       min_p: float | None = None) -> torch.Tensor:
+    """(N, V) bool: the tokens top-k / top-p / min-p sampling keeps from temperature-scaled
+    logits, in vLLM's order (min-p, top-k, top-p; :mod:`pdmask.ops._truncate`). All True
+    when every rule is off. For engines that sample, and tests."""
+    from ._truncate import rule_threshold
+
+    s = check_sampling(top_k, top_p, min_p, prefix="")
+    if s is None:
+        return torch.ones(scaled_logits.shape, dtype=torch.bool, device=scaled_logits.device)
+    return scaled_logits >= rule_threshold(scaled_logits, s)[:, None]
+
+
 def row_stats(
     logits: torch.Tensor,  # (N, V)
     sampled_ids: torch.Tensor,  # (N,)
@@ -117,6 +153,10 @@ def row_stats(
     impl: str = "auto",
     validate: bool = True,
     rollout_logits: torch.Tensor | None = None,  # (N, V)
+    sampling_top_k: int | None = None,
+    sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None,
+    kept_mask: torch.Tensor | None = None,  # (N, V) bool
 ) -> dict[str, torch.Tensor]:
     """Row statistics of ``pi = softmax(logits / temperature)``.
 
@@ -140,11 +180,25 @@ def row_stats(
     logits; ``"triton"`` always float32). With ``rollout_logits`` also (detached)
     ``full_kl``, ``full_tv``, ``full_mu_k`` = mu_k, ``sum_p_mu`` = sum pi mu,
     ``sum_p_s`` = sum pi s and ``sum_p2_s`` = sum pi^2 s with ``s = 1/2 sign(pi - mu)``.
+
+    Truncated sampling: ``sampling_top_k``, ``sampling_top_p``, ``sampling_min_p`` (the
+    engine's truncation, vLLM's order and "off" values, :mod:`pdmask.ops._truncate`) make
+    every statistic that of ``pi`` renormalised over the kept set rebuilt on these logits
+    (plus the sampled token), and add :data:`TRUNC_KEYS`; ``kept_mask`` (N, V) bool gives
+    the engine's own kept set instead. It runs on ``"torch"`` (``"auto"``) or
+    ``"reference"``; ``"triton"`` refuses it, and so does ``rollout_logits``.
     """
     _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values=validate, rollout_logits=rollout_logits)
-    name = resolve_impl(impl, logits)
+    sampling = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
+    check_kept_mask(kept_mask, tuple(logits.shape), sampling)
+    truncated = sampling is not None or kept_mask is not None
+    if truncated and rollout_logits is not None:
+        raise ValueError("rollout_logits: the full-vocabulary terms are not available with truncated sampling")
+    name = resolve_impl(impl, logits, truncated)
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
+    if truncated:
+        return _truncated(name, logits, ids, tk, temperature, chunk_rows, sampling, kept_mask)
     if name == "reference":
         return _reference.row_stats(logits, ids, tk, temperature=temperature, chunk_rows=chunk_rows,
                                     rollout_logits=rollout_logits)
@@ -169,6 +223,17 @@ def row_stats(
     return out
 
 
+def _truncated(name, logits, ids, tk, temperature, chunk_rows, sampling, kept_mask):
+    if name == "reference":
+        s = sampling or Sampling()
+        return _reference.truncated_row_stats(logits, ids, tk, temperature=temperature, kept_mask=kept_mask,
+                                              top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    from . import _truncate
+
+    return _truncate.row_stats(logits, ids, tk, temperature=temperature, chunk_rows=chunk_rows, sampling=sampling,
+                               kept_mask=kept_mask)
+
+
 def hidden_row_stats(
     hidden: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
@@ -178,6 +243,11 @@ def hidden_row_stats(
     temperature: float = 1.0,
     chunk_cols: int | None = None,
     validate: bool = True,
+    sampling_top_k: int | None = None,
+    sampling_top_p: float | None = None,
+    sampling_min_p: float | None = None,
+    kept_mask: torch.Tensor | None = None,  # (N, V) bool
+    chunk_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`row_stats` of ``logits = hidden @ weight.T`` without materialising the logits.
 
@@ -185,6 +255,11 @@ def hidden_row_stats(
     chunk), Cut-Cross-Entropy style (see :mod:`pdmask.ops._hidden`); ``logp`` is
     differentiable in ``hidden`` and ``weight``. Plain torch only (no Triton kernel yet);
     no LM-head bias and no logit soft-capping. Same keys and dtypes as :func:`row_stats`.
+
+    Truncated sampling (``sampling_*``, ``kept_mask``: as in :func:`row_stats`) walks the
+    rows instead, ``chunk_rows`` at a time (default: 4 M logits per chunk), because top-p
+    needs each row whole; its weight gradient is accumulated in float32 (one extra (V, H)
+    float32 buffer for bf16/fp16 weights).
 
     Naive equivalent: ``row_stats(hidden @ weight.T, sampled_ids, topk_ids, ...)``.
     """
@@ -208,9 +283,25 @@ def hidden_row_stats(
             if t is not None and t.numel() and bool(((t < 0) | (t >= V)).any()):
                 raise ValueError(f"{name}: ids must lie in [0, {V})")
     check_chunk_size("chunk_cols", chunk_cols, "vocabulary columns per chunk")
+    check_chunk_size("chunk_rows", chunk_rows)
+    sampling = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
+    check_kept_mask(kept_mask, (N, V), sampling)
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
-    if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+    grad = (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled()
+    if sampling is not None or kept_mask is not None:
+        if grad:
+            from ._truncate import ALL_KEYS
+
+            res = _hidden.HiddenTruncRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_rows,
+                                                    sampling, kept_mask)
+            out = dict(zip(ALL_KEYS, res))
+            if tk is None:
+                del out["topk_logp"]
+            return out
+        return _hidden.trunc_forward(hidden.detach(), weight.detach(), ids, tk, temperature=float(temperature),
+                                     chunk_rows=chunk_rows, sampling=sampling, kept_mask=kept_mask)[0]
+    if grad:
         res = _hidden.HiddenRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_cols)
         out = dict(zip(KEYS, res))
         if tk is None:

@@ -95,6 +95,11 @@ def backward(h, W, sampled_ids, lse, g, *, temperature, chunk_cols, need_h=True,
     step = cols_per_chunk(N, V, chunk_cols)
     lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
     gc = g.to(cdt) * c  # (N,)
+    # rows without upstream gradient (padding) contribute exactly 0, even when their hidden
+    # states (hence logits) are NaN/inf: with h zeroed, G = -0 * p = 0 there (lse non-finite
+    # was set to +inf above, so p = 0)
+    live = (gc != 0)[:, None]
+    h = torch.where(live, h, torch.zeros_like(h))
     dh = torch.zeros(h.shape, dtype=cdt, device=h.device) if need_h else None
     dW = torch.empty(W.shape, dtype=W.dtype, device=W.device) if need_W else None
     hc = h.to(cdt) if need_W else None
@@ -128,3 +133,79 @@ class HiddenRowStats(torch.autograd.Function):
         dh, dW = backward(h, W, ids, lse, g_logp, temperature=ctx.temperature, chunk_cols=ctx.chunk_cols,
                           need_h=ctx.needs_input_grad[0], need_W=ctx.needs_input_grad[1])
         return dh, dW, None, None, None, None
+
+
+# ------------------------------------------------------------------ truncated sampling
+# The kept set is decided on the logits themselves (a threshold per row), so the forward
+# statistics and the backward must see the very same logit values: both walk the rows in
+# the same chunks and recompute ``h[rows] @ W^T`` with the same call. Rows, not columns:
+# top-p needs each row's whole sorted distribution.
+def rows_per_chunk(n_rows: int, vocab_size: int, chunk_rows: int | None) -> int:
+    if chunk_rows is not None:
+        return chunk_rows
+    return max(1, CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+def trunc_forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling, kept_mask):
+    """:func:`pdmask.ops._truncate.forward` of ``h @ W^T``, (rows, V) logits at a time."""
+    from . import _truncate
+
+    N, V = h.shape[0], W.shape[0]
+    step = rows_per_chunk(N, V, chunk_rows)
+    outs, taus = [], []
+    for a in range(0, max(N, 1), step):
+        b = min(a + step, N)
+        z = h[a:b] @ W.T  # (rows, V) in the model's dtype: the only logits that exist
+        out, tau = _truncate.forward(z, sampled_ids[a:b], None if topk_ids is None else topk_ids[a:b],
+                                     temperature=temperature, chunk_rows=max(b - a, 1), sampling=sampling,
+                                     kept_mask=None if kept_mask is None else kept_mask[a:b])
+        outs.append(out)
+        taus.append(tau)
+    return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}, torch.cat(taus)
+
+
+def trunc_backward(h, W, sampled_ids, lse, g, tau, kept_mask, *, temperature, chunk_rows, need_h, need_W):
+    """``(dh, dW)`` of ``sum_n g_n log pi'_{k_n}``: per row chunk ``G = g (e_k - pi') / T``
+    (float32), ``dh = G W`` (in the model's dtype, as autograd through the logits would),
+    ``dW += G^T h`` accumulated in float32."""
+    from . import _truncate
+
+    N, V = h.shape[0], W.shape[0]
+    cdt = lse.dtype
+    step = rows_per_chunk(N, V, chunk_rows)
+    dh = torch.empty_like(h) if need_h else None
+    dW = torch.zeros(W.shape, dtype=cdt, device=W.device) if need_W else None
+    for a in range(0, N, step):
+        b = min(a + step, N)
+        z = (h[a:b] @ W.T).to(cdt)  # the forward's logits, the same call, upcast after
+        G = _truncate.backward(z, sampled_ids[a:b], lse[a:b], g[a:b], tau[a:b],
+                               None if kept_mask is None else kept_mask[a:b], temperature=temperature,
+                               chunk_rows=b - a)  # (rows, V) float32
+        if need_h:
+            dh[a:b] = G.to(h.dtype) @ W
+        if need_W:
+            dW.addmm_(G.T, h[a:b].to(cdt))
+    return dh, (dW.to(W.dtype) if need_W else None)
+
+
+class HiddenTruncRowStats(torch.autograd.Function):
+    """Truncated row statistics of ``softmax(h W^T / T)``; ``logp`` differentiable in h and W."""
+
+    @staticmethod
+    def forward(ctx, h, W, sampled_ids, topk_ids, temperature, chunk_rows, sampling, kept_mask):
+        from . import _truncate
+
+        out, tau = trunc_forward(h, W, sampled_ids, topk_ids, temperature=temperature, chunk_rows=chunk_rows,
+                                 sampling=sampling, kept_mask=kept_mask)
+        ctx.save_for_backward(h, W, sampled_ids, out["lse"], tau, kept_mask)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return _truncate.outputs_tuple(ctx, out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lse, g_logp, *rest):
+        h, W, ids, lse, tau, kept_mask = ctx.saved_tensors
+        dh, dW = trunc_backward(h, W, ids, lse, g_logp, tau, kept_mask, temperature=ctx.temperature,
+                                chunk_rows=ctx.chunk_rows, need_h=ctx.needs_input_grad[0],
+                                need_W=ctx.needs_input_grad[1])
+        return dh, dW, None, None, None, None, None, None

@@ -109,6 +109,7 @@ def _logp_bwd(
         z = tl.load(x_row + cols, mask=msk, other=float("-inf")).to(tl.float32) * scale
         p = tl.exp2(z - lse2)
         gz = g * (tl.where(cols == k, 1.0, 0.0) - p)
+        gz = tl.where(g == 0.0, 0.0, gz)  # no upstream gradient (padding): 0 even for NaN/inf logits
         tl.store(dx_row + cols, gz.to(DX.dtype.element_ty), mask=msk)
 
 

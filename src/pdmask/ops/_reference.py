@@ -135,6 +135,8 @@ class SampledLogprob(torch.autograd.Function):
             p = torch.exp(logits[s:e].to(cdt) / T - lse[s:e, None])
             gz = p.mul_(-gc[:, None])
             gz.scatter_add_(1, ids[s:e, None], gc[:, None])
+            # a row without upstream gradient (padding) is 0 even if its logits are NaN/inf
+            gz = torch.where(gc[:, None] == 0, torch.zeros_like(gz), gz)
             grad[s:e] = gz.div_(T).to(grad.dtype)
         return grad, None, None, None, None
 
@@ -165,3 +167,55 @@ def full_rows(logits, sampled_ids, rollout_logits, *, temperature: float,
     red = reduce_rows(logits, sampled_ids, None, temperature=temperature, rollout_logits=rollout_logits,
                       chunk_rows=chunk_rows_for(logits.shape[1], chunk_rows))
     return {k: red[k] for k in FULL_KEYS}
+
+
+# ------------------------------------------------------------------ truncated sampling (the oracle)
+def vllm_kept_mask(y: torch.Tensor, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """(N, V) bool: the tokens vLLM's sampler keeps from temperature-scaled logits ``y``,
+    transcribed step by step (``vllm/v1/sample``: min-p on the softmax, then top-k and
+    top-p on the ascending sort, the top-p mask ``cumsum <= 1 - p`` keeping the last)."""
+    x = y.clone()
+    if min_p is not None:
+        probs = torch.softmax(x, -1)
+        x.masked_fill_(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+    if top_k is not None or top_p is not None:
+        xs, idx = x.sort(dim=-1)
+        if top_k is not None and top_k < x.shape[-1]:
+            kth = xs.gather(1, torch.full((x.shape[0], 1), x.shape[-1] - top_k, device=x.device))
+            xs.masked_fill_(xs < kth, float("-inf"))
+        if top_p is not None:
+            drop = torch.softmax(xs, -1).cumsum(-1) <= 1 - top_p
+            drop[:, -1] = False
+            xs.masked_fill_(drop, float("-inf"))
+        x = x.scatter(1, idx, xs)
+    return x > float("-inf")
+
+
+def truncated_row_stats(logits, sampled_ids, topk_ids, *, temperature: float, kept_mask=None,
+                        top_k=None, top_p=None, min_p=None) -> dict[str, torch.Tensor]:
+    """Row statistics of ``pi' = softmax`` over the kept set (the engine's ``kept_mask``, or
+    :func:`vllm_kept_mask` of the trainer's logits, plus the sampled token), in one plain
+    (N, V) pass with autograd for ``logp`` (oracle only: it holds (N, V) float tensors)."""
+    cdt = compute_dtype(logits.dtype)
+    y = logits.to(cdt) / temperature
+    with torch.no_grad():
+        keep = kept_mask.clone() if kept_mask is not None else vllm_kept_mask(y, top_k, top_p, min_p)
+        outside = ~keep.gather(1, sampled_ids[:, None]).squeeze(1)
+        keep.scatter_(1, sampled_ids[:, None], True)
+    ym = y.masked_fill(~keep, float("-inf"))
+    logq = torch.log_softmax(ym, -1)
+    out = {"logp": logq.gather(1, sampled_ids[:, None]).squeeze(1)}
+    with torch.no_grad():
+        lq = logq.detach()
+        p = lq.exp()
+        out.update(
+            lse=torch.logsumexp(ym.detach(), -1),
+            sum_p2=(p * p).sum(-1),
+            entropy=-torch.where(p > 0, p * lq, torch.zeros_like(p)).sum(-1),
+            kept_mass=torch.exp(torch.logsumexp(ym.detach(), -1) - torch.logsumexp(y.detach(), -1)),
+            kept_size=keep.sum(-1).to(cdt),
+            sampled_outside=outside,
+        )
+        if topk_ids is not None:
+            out["topk_logp"] = lq.gather(1, topk_ids)
+    return out

@@ -194,4 +194,15 @@ def backward(
         y.scatter_add_(1, sampled_ids[a:b, None], gc[a:b, None])  # + g e_k / T
         if not same:
             grad[a:b].copy_(y)
+    _zero_rows_without_gradient(grad, gc)
     return grad
+
+
+def _zero_rows_without_gradient(grad: torch.Tensor, gc: torch.Tensor) -> None:
+    """Rows with a zero upstream gradient get exactly 0, whatever their logits hold.
+
+    Padding rows may hold NaN/inf logits (``p`` is then NaN and ``0 * NaN = NaN``); their
+    upstream gradient is 0, so their true gradient is 0. Only those rows are rewritten."""
+    zero = gc == 0
+    if zero.any():  # one sync on CUDA (this path is the fallback there), free on CPU
+        grad.index_fill_(0, zero.nonzero().squeeze(1), 0)

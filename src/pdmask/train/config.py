@@ -82,16 +82,32 @@ class TrainConfig:
     eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
     is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
     loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
+    # ---------------------------------------------------------------- off-policy corrections (docs/corrections.md)
+    is_level: typing.Optional[str] = _f("token", "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is")
+    is_floor: typing.Optional[float] = _f(None, "lower bound of the IS weight (null: none); TRL vllm_importance_sampling_clip_min")
+    is_mask: bool = _f(False, "mask tokens/sequences whose IS weight is outside [is_floor, is_cap] (MIS, IcePop) instead of truncating (TIS)")
+    is_batch_normalize: bool = _f(False, "divide the IS weights by their batch mean; verl rollout_is_batch_normalize")
+    rejection: str = _f("", "rejection rules, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/3; empty: none); verl rollout_rs")
+    rejection_threshold: str = _f("", "their thresholds in verl's syntax: one value, or one per rule, 'lo_hi' for k1 rules; verl rollout_rs_threshold")
+    off_policy_mask_threshold: typing.Optional[float] = _f(None, "mask sequences with A < 0 and mean log(mu/pi) above this (DeepSeek-V3.2; TRL's name; null: off)")
+    batch_params: str = _f("all", "pdm-batch-* modes only: parameters of the batch direction, all or N (the last N "
+                                  "blocks + final norm + LM head: the cheaper variant)")
+    batch_method: str = _f("auto", "pdm-batch-* modes only: how the batch direction's J v is computed: auto "
+                                   "(forward mode, double backward if the model lacks it), jvp, double-backward")
     # ---------------------------------------------------------------- engine
     engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
     engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
     top_k: int = _f(20, "K of the engine's reported top-K log-probs")
     sync_every: int = _f(1, "copy trainer weights to the engine every N steps (N > 1: policy lag of up to N-1 steps)")
     full_logits: bool = _f(False, "also fetch the engine's full logits (oracle mismatch metrics; needed by pdm-full-* modes)")
+    sampling_top_k: int = _f(0, "engine samples from its k most likely tokens (0: off); the loss renormalises pi over the same kept set")
+    sampling_top_p: float = _f(1.0, "engine samples from the smallest set holding top_p of the mass (1: off; vLLM's order: min_p, top_k, top_p)")
+    sampling_min_p: float = _f(0.0, "engine drops tokens below min_p x the top probability (0: off)")
     # ---------------------------------------------------------------- logging / checkpoints
     eval_every: int = _f(5, "held-out greedy accuracy every N steps (and at step 0 and the end)")
     checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = _f(1, "checkpoints kept on disk (older ones are deleted)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk (older ones are deleted); with 2 or more a corrupt newest "
+                                  "checkpoint falls back to the previous one on resume")
     tensorboard: bool = _f(True, "write TensorBoard event files next to metrics.jsonl")
     progress: bool = _f(True, "show a progress bar")
 
@@ -110,6 +126,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
+        from ..batchmask import METHODS
         from ..directions import ESTIMATORS
         from .._validate import LOSS_AGGS
         from ..engine.precision import PRECISIONS
@@ -117,7 +134,7 @@ class TrainConfig:
 
         choices = {"arch": ("llama", "qwen3"), "task": ("arithmetic", "jsonl"), "mode": tuple(MODES),
                    "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
-                   "engine": tuple(engine_names())}
+                   "engine": tuple(engine_names()), "batch_method": METHODS}
         for k, valid in choices.items():
             if getattr(self, k) not in valid:
                 raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
@@ -138,8 +155,32 @@ class TrainConfig:
         if not 0.0 <= self.sft_alt_format <= 1.0:
             raise ValueError(f"sft_alt_format: must lie in [0, 1], got {self.sft_alt_format}")
         for k in ("weight_decay", "grad_clip"):
-            if not getattr(self, k) >= 0:
-                raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{k}: must be a finite number >= 0{' (0: no clipping)' if k == 'grad_clip' else ''}, "
+                                 f"got {v}")
+        if self.eps_low >= 1:
+            raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), got {self.eps_low}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size: must be >= 2 (GRPO advantages are relative to the group: with one sample "
+                             f"per prompt every advantage is 0 and nothing is learned), got {self.group_size}")
+        if not self.name.strip() and self.name:
+            raise ValueError(f"name: must not be blank, got {self.name!r}")
+        if self.name and (self.name in (".", "..") or "/" in self.name or "\\" in self.name):
+            raise ValueError(f"name: must be a plain directory name (no '/', not '.' or '..'), got {self.name!r}")
+        if not self.out_dir.strip():
+            raise ValueError("out_dir: must not be empty")
+        if not self.model_path:  # the built-in model and its BPE tokenizer
+            if self.use_chat_template:
+                raise ValueError("use_chat_template: the built-in tokenizer has no chat template; set model_path to "
+                                 "a checkpoint whose tokenizer has one, or use_chat_template=false")
+            if self.vocab_size < 300:
+                raise ValueError(f"vocab_size: must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}")
+            if self.top_k > self.vocab_size:
+                raise ValueError(f"top_k: must be <= vocab_size ({self.vocab_size}), got {self.top_k}")
+            if self.max_positions <= self.max_new_tokens:
+                raise ValueError(f"max_positions: must exceed max_new_tokens ({self.max_new_tokens}) to leave room for "
+                                 f"a prompt, got {self.max_positions}")
         for k in ("delta_low", "delta_high"):
             v = getattr(self, k)
             if v is not None and not v > 0:
@@ -151,6 +192,10 @@ class TrainConfig:
             raise ValueError(f"minibatches: must divide prompts_per_step * group_size = {n}, got {self.minibatches}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: must divide hidden_size = {self.hidden_size}, got {self.num_heads}")
+        if self.batch_params != "all" and not (self.batch_params.isdigit() and int(self.batch_params) >= 1):
+            raise ValueError(f"batch_params: expected all or a number of last blocks >= 1, got {self.batch_params!r}")
+        if self.batch_params != "all" and not self.model_path and int(self.batch_params) > self.num_layers:
+            raise ValueError(f"batch_params: the model has num_layers={self.num_layers} blocks, got {self.batch_params}")
         if self.mode.startswith("pdm-full") and not self.full_logits:
             raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
         if self.model_path and not self.tie_embeddings:
@@ -158,7 +203,43 @@ class TrainConfig:
                              "checkpoint's own config.json (tie_word_embeddings) decides")
         if self.task == "jsonl" and not self.train_file:
             raise ValueError("train_file: required when task=jsonl")
+        _validate_corrections(self)
         return self
+
+
+def correction_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """The off-policy correction and truncated-sampling keywords of :func:`pdmask.policy_loss`
+    from the config (the field names are the keyword names)."""
+    return dict(is_level=cfg.is_level, is_floor=cfg.is_floor, is_mask=cfg.is_mask,
+                is_batch_normalize=cfg.is_batch_normalize, rejection=cfg.rejection or None,
+                rejection_threshold=cfg.rejection_threshold or None,
+                off_policy_mask_threshold=cfg.off_policy_mask_threshold, sampling_top_k=cfg.sampling_top_k,
+                sampling_top_p=cfg.sampling_top_p, sampling_min_p=cfg.sampling_min_p)
+
+
+def _validate_corrections(cfg: TrainConfig) -> None:
+    """The corrections' and truncation's own checks (errors name the field: the field names
+    are the keyword names of pdmask.policy_loss)."""
+    from .. import MODES
+    from ..corrections import check_corrections
+    from ..ops import check_sampling
+
+    kw = correction_kwargs(cfg)
+    check_corrections(is_level=kw["is_level"], is_cap=cfg.is_cap, is_floor=kw["is_floor"], is_mask=kw["is_mask"],
+                      is_batch_normalize=kw["is_batch_normalize"], rejection=kw["rejection"],
+                      rejection_threshold=kw["rejection_threshold"],
+                      off_policy_mask_threshold=kw["off_policy_mask_threshold"],
+                      surrogate=MODES[cfg.mode].surrogate if cfg.mode in MODES else "dppo")
+    if check_sampling(cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p) is None:
+        return
+    on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
+              if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
+    if cfg.full_logits:
+        raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
+                         "(the full-vocabulary terms are those of the untruncated mu)")
+    if cfg.mode in MODES and "batch" in MODES[cfg.mode].needs:
+        raise ValueError(f"{on}: mode {cfg.mode!r} computes its batch direction on the untruncated pi; "
+                         "truncated sampling is not available with the pdm-batch-* modes")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -250,9 +331,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         p = Path(path)
         if not p.exists():
             raise ValueError(f"config: file {str(path)!r} not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        if p.is_dir():
+            raise ValueError(f"config: {str(path)!r} is a directory, not a YAML file")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config: cannot read {str(path)!r} ({getattr(e, 'strerror', None) or e})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"config: {str(path)!r} is not valid YAML{at} ({problem})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config: {path} must hold a mapping of key: value")
+        if not all(isinstance(k, str) for k in data):
+            bad = next(k for k in data if not isinstance(k, str))
+            raise ValueError(f"config: {path}: key {bad!r} is not a name")
         for k in data:
             if k not in FIELDS:
                 raise _unknown(k, str(path))

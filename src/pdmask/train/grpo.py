@@ -41,8 +41,10 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
+from .preflight import check_lengths, check_run
 from .progress import make_progress
 from .rollout import Rollout, greedy_eval, rollout_step
+from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .update import compute_loss, make_optimizer, select, update_step
@@ -105,6 +107,7 @@ def setup(cfg: TrainConfig, console=None) -> Setup:
     task = build_task(cfg)
     tr = encode_prompts(tok, [p.prompt for p in task.train], use_chat_template=cfg.use_chat_template)
     ev = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    check_lengths(cfg, model, tr, ev)
     opt = make_optimizer(model, cfg)
     engine = build_engine(cfg, model, tok)
     return Setup(cfg, model, tok, engine, opt, task, get_reward(cfg.reward), tr, ev, base)
@@ -114,7 +117,8 @@ def open_run(cfg: TrainConfig, *, resume: bool, console) -> tuple[Setup, int]:
     """:func:`setup`, then the run directory: a fresh one, or the latest checkpoint restored
     (metrics after it cut from ``metrics.jsonl``). Returns the setup and the first step."""
     run_dir = cfg.run_dir
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    # a corrupt newest checkpoint falls back to the previous one, with a message
+    ckpt = latest_checkpoint(run_dir, warn=lambda m: console.print(f"[yellow]warning:[/yellow] {m}")) if resume else None
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise ValueError(f"name: run directory {str(run_dir)!r} already has metrics; pass --resume or a new name")
     S = setup(cfg, console)
@@ -126,17 +130,28 @@ def open_run(cfg: TrainConfig, *, resume: bool, console) -> tuple[Setup, int]:
     elif resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # killed before its first checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(_yaml(cfg.to_dict()))
+    with writing(run_dir / "config.yaml"):
+        (run_dir / "config.yaml").write_text(_yaml(cfg.to_dict()))
     return S, start
 
 
 # ------------------------------------------------------------------ the loop
 def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
-    """Run (or resume) RL training; returns the summary (also written to ``summary.json``)."""
+    """Run (or resume) RL training; returns the summary (also written to ``summary.json``).
+
+    The configuration and the environment are checked first (:func:`preflight.check_run`),
+    then the run directory is locked for this process (:func:`rundir.lock_run_dir`: a
+    second process on it is refused) until the run ends."""
     from rich.console import Console
 
     console = console or Console()
     cfg.validate()
+    check_run(cfg, resume=resume)
+    with lock_run_dir(cfg.run_dir):
+        return _train(cfg, resume=resume, console=console)
+
+
+def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
     S, start = open_run(cfg, resume=resume, console=console)
     model, tok, engine, opt = S.model, S.tokenizer, S.engine, S.optimizer
     run_dir = cfg.run_dir
@@ -208,7 +223,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
                         + (f" eval {rec['eval_accuracy']:.2f}" if "eval_accuracy" in rec else ""))
     log.close()
     summary = summarize(read_jsonl(run_dir / "metrics.jsonl"), cfg, base)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with writing(run_dir / "summary.json"):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+from .rundir import writing
+
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Records of a metrics file; a torn last line (killed mid-write) is skipped."""
@@ -33,7 +35,8 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
         return
     keep = [r for r in read_jsonl(p) if r.get("step", 0) <= max_step]
     tmp = p.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    with writing(tmp):
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     tmp.replace(p)
 
 
@@ -57,8 +60,9 @@ class RunLogger:
 
     def log(self, record: dict) -> None:
         rec = {k: _clean(v) for k, v in record.items()}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        with writing(self.path):
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
         if self.tb is not None:
             step = int(record["step"])
             for k, v in record.items():

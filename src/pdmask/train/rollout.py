@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +31,17 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 
 def rewards_for(texts: list[str], answers: list[str], reward_fn) -> torch.Tensor:
     """(B,) float32 rewards; a reward function returning NaN is an error, not a silent 0."""
-    r = torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, answers)], dtype=torch.float32)
-    if torch.isnan(r).any():
-        raise ValueError("reward: the reward function returned NaN")
-    return r
+    vals = []
+    for i, (t, a) in enumerate(zip(texts, answers)):
+        v = reward_fn(t, a)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if not isinstance(v, (int, float)) or not math.isfinite(v):  # bools are ints: 0/1 rewards
+            what = "NaN" if isinstance(v, float) and math.isnan(v) else f"{v!r} ({type(v).__name__})"
+            raise ValueError(f"reward: the reward function returned {what} for response {i}; "
+                             "it must return a finite number")
+        vals.append(float(v))
+    return torch.tensor(vals, dtype=torch.float32)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
+from .preflight import check_cache, check_environment, check_lengths
 from .rollout import greedy_eval
+from .rundir import share_like_umask, writing
 from .tasks import TASK_VERSION, build_task, eval_rewards
 from .tokenizer import train_bpe_tokenizer
 
@@ -68,17 +70,30 @@ def ensure_sft_checkpoint(cfg, *, console=None) -> Path:
     """Path of the SFT base for ``cfg``, training and caching it on a miss.
 
     With ``model_path`` set and ``sft_steps == 0`` the model directory itself is returned.
+    Every file, device and function the config names is checked first
+    (:func:`pdmask.train.preflight.check_environment`), so the trainer, ``compare`` and the
+    audit refuse a bad one before any work.
     """
+    check_environment(cfg)
     if cfg.model_path and cfg.sft_steps == 0:
         return Path(cfg.model_path)
     final = sft_dir(cfg)
     if (final / "sft.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    check_cache(cfg, final.parent)  # a miss: the cache must take the new entry
+    with writing(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    info = run_sft(cfg, tmp, console=console)
-    (tmp / "sft.json").write_text(json.dumps(info, indent=2))
+    try:
+        info = run_sft(cfg, tmp, console=console)
+        with writing(tmp / "sft.json"):
+            (tmp / "sft.json").write_text(json.dumps(info, indent=2))
+        # readable by the other users of a shared cache (safetensors writes 0600)
+        share_like_umask(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk or a kill must not leave half an entry
+        raise
     try:
         tmp.rename(final)
     except OSError:  # another process finished the same entry first; theirs is as good
@@ -130,6 +145,8 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
         tok = train_bpe_tokenizer([p.prompt + t for p, t in zip(data, targets)], cfg.vocab_size)
         model = build_model(cfg, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=cfg.sft_seed)
     prompts = encode_prompts(tok, [p.prompt for p in data], use_chat_template=cfg.use_chat_template)
+    ev_prompts = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    check_lengths(cfg, model, prompts, ev_prompts)  # before the SFT steps, not after them
     sols = [ids + [tok.eos_token_id] for ids in tok(targets, add_special_tokens=False).input_ids]
     order: list[int] = []
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -165,9 +182,10 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     ev_ids = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
     ev = greedy_eval(model, tok, ev_ids, [p.answer for p in task.eval], eval_rewards(cfg),
                      max_new_tokens=cfg.max_new_tokens)
-    out_dir.mkdir(parents=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
+    with writing(out_dir):
+        out_dir.mkdir(parents=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tok.save_pretrained(out_dir)
     tail = torch.stack(losses[-20:]).mean().item() if losses else float("nan")
     return {"key": sft_key(cfg), "settings": {k: getattr(cfg, k) for k in _KEY_FIELDS},
             "num_params": num_params(model), "vocab_size": len(tok), "final_loss": tail,

@@ -214,29 +214,47 @@ def arithmetic_task(*, seed: int, train_size: int, eval_size: int, max_number: i
 
 
 # ------------------------------------------------------------------ jsonl
-def read_jsonl(path: str | Path) -> list[Problem]:
+def read_jsonl(path: str | Path, key: str = "train_file") -> list[Problem]:
+    """Problems of a jsonl file; every error names ``key`` (``train_file`` / ``eval_file``),
+    the file and the line. ``prompt`` is a string, ``answer`` a string or a number,
+    ``solution`` (optional) a string or null."""
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"train_file: {path}:{i} is not JSON ({e})") from e
-            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-                raise ValueError(f"train_file: {path}:{i} needs the keys 'prompt' and 'answer'")
-            out.append(Problem(str(row["prompt"]), str(row["answer"]), row.get("solution")))
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{key}: cannot read {str(path)!r} ({e.strerror or e})") from None
+    with f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{key}: {path}:{i} is not JSON ({e})") from None
+        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+            raise ValueError(f"{key}: {path}:{i} needs the keys 'prompt' and 'answer'")
+        prompt, answer, sol = row["prompt"], row["answer"], row.get("solution")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{key}: {path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
+            raise ValueError(f"{key}: {path}:{i}: 'answer' must be a string or a number, got {answer!r}")
+        if sol is not None and not isinstance(sol, str):
+            raise ValueError(f"{key}: {path}:{i}: 'solution' must be a string or null, got {sol!r}")
+        out.append(Problem(prompt, str(answer), sol))
     if not out:
-        raise ValueError(f"train_file: {path} holds no problems")
+        raise ValueError(f"{key}: {path} holds no problems")
     return out
 
 
 def jsonl_task(train_file: str, eval_file: str | None, *, seed: int, eval_size: int) -> Task:
     """User problems; without ``eval_file`` the last ``eval_size`` of a seeded shuffle are held out."""
-    train = read_jsonl(train_file)
+    train = read_jsonl(train_file, "train_file")
     if eval_file:
-        return Task("jsonl", train, read_jsonl(eval_file))
+        return Task("jsonl", train, read_jsonl(eval_file, "eval_file"))
     if len(train) <= eval_size:
         raise ValueError(f"eval_size: {eval_size} leaves no training problems out of {len(train)}")
     rng = random.Random(seed)

@@ -2,7 +2,9 @@
 
 - :func:`make_optimizer` — the trainer's AdamW (betas :data:`ADAMW_BETAS`).
 - :func:`select` — rows of a rollout batch (a mini-batch) with padding columns trimmed.
-- :func:`compute_loss` — one trainer forward, then :func:`pdmask.policy_loss`.
+- :func:`compute_loss` — one trainer forward, then :func:`pdmask.policy_loss`; for the
+  ``pdm-batch-*`` modes the batch direction is computed on that same forward first
+  (:func:`batch_forward`).
 - :func:`update_step` — loss -> backward -> clip -> optimizer step (one mini-batch).
 
 The training loop (:mod:`.grpo`) and the direction audit's lag steps both update the
@@ -12,13 +14,16 @@ policy with these, so the two cannot drift apart.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
+from ..batchmask import BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_logits
 from ..loss import PolicyLossOutput, policy_loss
-from .config import TrainConfig
+from ..masks import get_mode
+from .config import TrainConfig, correction_kwargs
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
@@ -47,7 +52,7 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
 
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False) -> PolicyLossOutput:
+                 validate: bool = False, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
     """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
 
     Args:
@@ -55,19 +60,89 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
         advantages: (B,) per-sequence advantages (broadcast over the response tokens).
         cfg: reads mode, estimator, delta_low/high, eps_low/high, is_cap, loss_agg,
-            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present).
+            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present), the
+            off-policy corrections and the engine's truncated sampling
+            (:func:`pdmask.train.config.correction_kwargs`); for the ``pdm-batch-*``
+            modes also batch_params, batch_method.
         validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
             the engine's outputs are known good).
+        optimizer: the optimizer that will take the step this loss is for. Required by
+            the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
+            batch direction, :func:`batch_forward`); ignored by the others.
 
-    Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached).
+    Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached;
+    the batch modes add the direction's diagnostics as ``batch_*`` metrics).
     """
-    logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
-    return policy_loss(
+    adv = advantages.to(batch.sequences.device)
+    extra, more = {}, {}
+    if is_batch_mode(cfg.mode):
+        logits, extra, more = batch_forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
+    else:
+        logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
+    out = policy_loss(
         logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs,
-        advantages.to(logits.device), batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
+        adv, batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
         delta_low=cfg.delta_low, delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         is_cap=cfg.is_cap, loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=batch.logits,
-        validate=validate)
+        validate=validate, **extra, **correction_kwargs(cfg))
+    out.metrics.update(more)
+    return out
+
+
+# ------------------------------------------------------------------ pdm-batch-* modes
+#: BatchMask diagnostics logged by the batch modes (as ``batch_<name>``)
+BATCH_METRICS = ("phi", "direction_norm", "outward_frac_out_of_region", "agree_ratio_frac", "agree_pdm_frac")
+
+# one BatchMask per (model, optimizer, settings): it resolves the parameter subset once and
+# remembers method="auto"'s fallback decision
+_MASKERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def is_batch_mode(mode: str) -> bool:
+    """Whether ``mode`` needs the batch direction (``pdm-batch-*``)."""
+    return "batch" in get_mode(mode).needs
+
+
+def batch_params(cfg: TrainConfig):
+    """``cfg.batch_params`` as :class:`pdmask.batchmask.BatchMask` takes it: ``"all"`` or an int N."""
+    return "all" if cfg.batch_params == "all" else int(cfg.batch_params)
+
+
+def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
+    """The (cached) :class:`pdmask.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
+    if optimizer is None:
+        raise ValueError(f"optimizer: mode {cfg.mode!r} needs the optimizer that takes the step (its state is "
+                         "the preconditioner of the batch direction); pass optimizer= to compute_loss")
+    mode = get_mode(cfg.mode)
+    key = (id(optimizer), cfg.mode, cfg.batch_params, cfg.batch_method, cfg.estimator, cfg.delta_low,
+           cfg.delta_high, cfg.temperature, cfg.is_cap)
+    hit = _MASKERS.get(model)
+    if hit is not None and hit[0] == key and hit[1]() is optimizer:
+        return hit[2]
+    bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=mode.divergence,
+                   estimator=cfg.estimator, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
+                   scope="all" if cfg.mode.startswith("pdm-batch-all-") else "region", method=cfg.batch_method,
+                   temperature=cfg.temperature, is_cap=cfg.is_cap)
+    _MASKERS[model] = (key, weakref.ref(optimizer), bm)
+    return bm
+
+
+def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
+                  validate: bool = False) -> tuple[torch.Tensor, dict, dict]:
+    """The trainer forward of a ``pdm-batch-*`` mode, with the batch direction computed on it.
+
+    At the current parameters and with ``optimizer``'s current state (the preconditioner
+    of the very step the loss is for): one forward (shared with the loss), the backward of
+    Phi, ``P``, one forward-mode pass (:class:`pdmask.batchmask.BatchMask`,
+    ``share_forward=True``). Returns the (B, T, V) logits with their graph, the
+    ``policy_loss`` keywords that apply the mask (``batch_ddot``) and the ``batch_*``
+    diagnostics (detached).
+    """
+    bm = batch_masker(model, optimizer, cfg)
+    out = bm(batch.sequences, batch.attention_mask, batch.response_mask, batch.sampled_logprob, batch.topk_ids,
+             batch.topk_logprobs, advantages, validate=validate, share_forward=True)
+    more = {f"batch_{k}": out.metrics[k] for k in BATCH_METRICS}
+    return out.logits, {"batch_ddot": out.ddot}, more
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
@@ -78,7 +153,7 @@ def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, ad
     norm is still measured). Returns the loss output (at the weights before the step)
     and the pre-clip gradient norm, a detached 0-dim tensor (no host sync).
     """
-    out = compute_loss(model, batch, advantages, cfg, validate=validate)
+    out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)

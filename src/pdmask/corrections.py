@@ -1,0 +1,414 @@
+"""Off-policy corrections: the IS weight and the rejection rules, a stage after the token mask.
+
+Every mask mode decides per token (region x direction). The corrections practitioners
+add on top act on the detached log-ratio ``log r = log pi_k - log mu_k`` of a (B, T)
+batch, per token or per sequence, and compose with every mode:
+
+1. **IS weight** ``w`` of the DPPO surrogate ``-M sg(w) A log pi_k``
+   (``is_level``, ``is_cap``, ``is_floor``, ``is_mask``, ``is_batch_normalize``)::
+
+       is_level=None        w = 1                        (no IS: plain REINFORCE)
+       is_level="token"     w_t = r_t                    (default)
+       is_level="sequence"  w_b = prod_t r_bt            (broadcast over the sequence)
+
+   bounded to ``[is_floor, is_cap]``: truncated (TIS: ``w = clamp(w, is_floor, is_cap)``),
+   or with ``is_mask=True`` masked (MIS; IcePop at token level): a token / sequence whose
+   ``w`` lies outside the bounds gets ``M = 0``, inside ``w`` is kept as is.
+   ``is_batch_normalize`` divides ``w`` by its mean over the batch's response tokens
+   (token level) or sequences (sequence level), as verl does.
+2. **Rejection rules** (``rejection``, ``rejection_threshold``; verl's ``rollout_rs`` names
+   and semantics, 0.9.1): with ``l = clamp(log r, -20, 20)``::
+
+       k1 = -l = log(mu_k / pi_k)      k2 = l^2 / 2      k3 = exp(l) - 1 - l
+
+   ``token_kX`` tests each token, ``seq_sum_kX`` / ``seq_mean_kX`` / ``seq_max_kX`` the
+   sum / mean / max over a sequence's response tokens and reject the whole sequence.
+   k1 rules keep ``log(lo) <= stat <= log(hi)``; k2/k3 rules keep ``stat <= hi``. Note
+   that verl bounds ``k1 = log(mu/pi)``, i.e. ``1/r``, not ``r``: ``seq_mean_k1`` with
+   ``lo_hi`` keeps ``exp(mean log r)`` in ``[1/hi, 1/lo]`` (the same interval when
+   ``lo = 1/hi``). SkyRL's ``geo_mask_low/high = a/b`` is ``seq_mean_k1`` with ``1/b_1/a``.
+3. **Off-policy sequence mask** (DeepSeek-V3.2; TRL ``off_policy_mask_threshold = delta``):
+   a token of a sequence is masked iff its advantage is negative and the sequence's
+   mean of ``log mu_k - log pi_k`` over its response tokens exceeds ``delta``.
+
+A token's final keep flag is ``M_mode & M_is & M_rules & M_opsm``. Every statistic is
+over the response tokens (``response_mask``), independent of the token mask, as in verl.
+
+Naive torch equivalent of the sequence-level TIS weight and a ``seq_mean_k3`` rule::
+
+    lr = (logp - rollout_logp).where(mask, 0)
+    w = lr.sum(-1).exp().clamp(max=C)[:, None].expand_as(lr)
+    keep = ((lr.clamp(-20, 20).exp() - 1 - lr.clamp(-20, 20)) * mask).sum(-1) / mask.sum(-1) <= hi
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._validate import check_choice, check_positive
+from .stats import MAX_LOG_RATIO
+
+#: IS weight levels (verl ``rollout_is``): ``None`` (no weight), per token, per sequence.
+IS_LEVELS = (None, "token", "sequence")
+#: Rejection rules (verl 0.9.1 ``rollout_rs`` options).
+RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+         "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+#: |log r| bound of the rules' statistics (verl's SAFETY_BOUND).
+RULE_LOG_BOUND = 20.0
+
+
+# ------------------------------------------------------------------ arguments
+@dataclass(frozen=True)
+class Rule:
+    """One parsed rejection rule: ``name`` in :data:`RULES`, bounds ``lo`` (k1 only), ``hi``."""
+
+    name: str
+    lo: float | None
+    hi: float
+
+
+@dataclass(frozen=True)
+class CorrectionSpec:
+    """The checked correction arguments of one call (built by :func:`check_corrections`)."""
+
+    is_level: str | None = "token"
+    is_cap: float = 5.0
+    is_floor: float | None = None
+    is_mask: bool = False
+    is_batch_normalize: bool = False
+    rules: tuple = ()
+    off_policy_mask_threshold: float | None = None
+
+    @property
+    def default_weight(self) -> bool:
+        """The weight is the plain token TIS ``min(r, is_cap)`` (computed by the loss itself)."""
+        return (self.is_level == "token" and self.is_floor is None and not self.is_mask
+                and not self.is_batch_normalize)
+
+    @property
+    def active(self) -> bool:
+        """Anything beyond the default token TIS (a mask, a rule, another weight)."""
+        return not self.default_weight or bool(self.rules) or self.off_policy_mask_threshold is not None
+
+
+def _number(name: str, text) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a number, got {text!r}") from None
+
+
+def parse_rejection(rejection, rejection_threshold) -> tuple[Rule, ...]:
+    """Rules from verl's syntax: ``rejection="token_k1,seq_mean_k3"`` (or a list of names,
+    duplicates dropped) and ``rejection_threshold`` = one entry per rule or one shared by
+    all, as a comma-separated string or a list. An entry is a number (k2/k3: the upper
+    bound; k1: the upper bound ``hi`` with ``lo = 1/hi``), a ``"lo_hi"`` string or a
+    ``(lo, hi)`` pair (k1 only)."""
+    if rejection is None:
+        if rejection_threshold is not None:
+            raise ValueError("rejection_threshold: given without rejection rules (set rejection=...)")
+        return ()
+    if isinstance(rejection, str):
+        names = [s.strip() for s in rejection.split(",") if s.strip()]
+    elif isinstance(rejection, (list, tuple)) and all(isinstance(s, str) for s in rejection):
+        names = [s.strip() for s in rejection]
+    else:
+        raise ValueError(f"rejection: expected a rule name, a comma-separated string or a list of names, "
+                         f"got {rejection!r}")
+    if not names:
+        raise ValueError("rejection: no rule given")
+    names = list(dict.fromkeys(names))
+    for n in names:
+        check_choice("rejection", n, RULES)
+    if rejection_threshold is None:
+        raise ValueError(f"rejection_threshold: required with rejection={','.join(names)}")
+    if isinstance(rejection_threshold, bool):
+        raise ValueError(f"rejection_threshold: expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
+    if isinstance(rejection_threshold, (int, float)):
+        specs = [rejection_threshold]
+    elif isinstance(rejection_threshold, str):
+        specs = [s.strip() for s in rejection_threshold.split(",") if s.strip()]
+    elif isinstance(rejection_threshold, (list, tuple)):
+        specs = list(rejection_threshold)
+    else:
+        raise ValueError(f"rejection_threshold: expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rejection_threshold: expected 1 or {len(names)} entries (one per rule), got {len(specs)}")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    return tuple(_rule(n, s) for n, s in zip(names, specs))
+
+
+def _rule(name: str, spec) -> Rule:
+    arg = "rejection_threshold"
+    if isinstance(spec, str) and "_" in spec:
+        lo_s, hi_s = spec.split("_", 1)
+        lo, hi = _number(arg, lo_s), _number(arg, hi_s)
+        pair = True
+    elif isinstance(spec, (list, tuple)):
+        if len(spec) != 2:
+            raise ValueError(f"{arg}: a (lo, hi) pair for {name} must have 2 entries, got {spec!r}")
+        lo, hi = _number(arg, spec[0]), _number(arg, spec[1])
+        pair = True
+    else:
+        lo, hi, pair = None, _number(arg, spec), False
+    if pair and not name.endswith("k1"):
+        raise ValueError(f"{arg}: {name} takes one upper bound, got the pair {spec!r} (lo_hi is for k1 rules)")
+    if not (hi > 0) or math.isinf(hi) or (lo is not None and not (0 < lo <= hi)):
+        raise ValueError(f"{arg}: bounds of {name} must satisfy 0 < lo <= hi < inf, got {spec!r}")
+    if name.endswith("k1") and lo is None:
+        lo = 1.0 / hi
+    return Rule(name, lo, hi)
+
+
+def check_corrections(*, is_level="token", is_cap=5.0, is_floor=None, is_mask=False, is_batch_normalize=False,
+                      rejection=None, rejection_threshold=None, off_policy_mask_threshold=None,
+                      surrogate: str = "dppo") -> CorrectionSpec:
+    """Check the correction arguments (one-line errors naming the argument) and return
+    their :class:`CorrectionSpec`. With the ``ppo-clip`` surrogate (``grpo``) the PPO ratio
+    ``pi/mu`` already carries the token IS weight, so only masks apply there: a weight
+    that would count it twice (``is_level="sequence"``, ``is_floor`` without ``is_mask``,
+    ``is_batch_normalize``) is refused."""
+    if is_level not in IS_LEVELS:
+        raise ValueError(f"is_level: unknown value {is_level!r}; valid values are: None, token, sequence")
+    check_positive("is_cap", is_cap, allow_inf=True)
+    if is_floor is not None:
+        check_positive("is_floor", is_floor)
+        if is_floor >= is_cap:
+            raise ValueError(f"is_floor: must be below is_cap = {is_cap}, got {is_floor}")
+    for name, v in (("is_mask", is_mask), ("is_batch_normalize", is_batch_normalize)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name}: expected True or False, got {v!r}")
+    if is_mask and is_level is None:
+        raise ValueError("is_mask: needs is_level='token' or 'sequence' (the ratio whose bounds mask)")
+    if is_batch_normalize and is_level is None:
+        raise ValueError("is_batch_normalize: needs is_level='token' or 'sequence' (there is no weight to normalise)")
+    check_positive("off_policy_mask_threshold", off_policy_mask_threshold)
+    rules = parse_rejection(rejection, rejection_threshold)
+    if surrogate == "ppo-clip":
+        if is_level == "sequence" and not is_mask:
+            raise ValueError("is_level: 'sequence' weights are refused with grpo (ppo-clip): its ratio pi/mu already "
+                             "is the token IS weight; use is_mask=True for a sequence mask")
+        if is_floor is not None and not is_mask:
+            raise ValueError("is_floor: truncating from below is refused with grpo (ppo-clip): its ratio pi/mu is "
+                             "clipped by eps_low; use is_mask=True to mask below is_floor")
+        if is_batch_normalize:
+            raise ValueError("is_batch_normalize: refused with grpo (ppo-clip), which applies no separate IS weight")
+    return CorrectionSpec(is_level, float(is_cap), None if is_floor is None else float(is_floor), is_mask,
+                          is_batch_normalize, rules, None if off_policy_mask_threshold is None
+                          else float(off_policy_mask_threshold))
+
+
+# ------------------------------------------------------------------ helpers
+def _floored(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``log r`` with -inf (a sampled token the trainer gives probability 0) at the dtype's
+    floor, so that sums and means stay finite (as :func:`pdmask.loss.token_loss` does)."""
+    floor = math.log(torch.finfo(log_ratio.dtype).tiny)
+    return torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio.detach())
+
+
+def _frac(flags: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (flags & valid).sum().to(dtype) / valid.sum().clamp(min=1).to(dtype)
+
+
+def _seq_frac(tok_flags: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Share of non-empty sequences with at least one flagged response token."""
+    has = valid.any(-1)
+    return ((tok_flags & valid).any(-1) & has).sum().to(dtype) / has.sum().clamp(min=1).to(dtype)
+
+
+def _seq_sum(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x, torch.zeros_like(x)).sum(-1)  # (B,)
+
+
+def _seq_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return _seq_sum(x, valid) / valid.sum(-1).clamp(min=1).to(x.dtype)
+
+
+def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
+    """The detached IS weight ``min(r, C)`` of the DPPO surrogate, ``C = is_cap`` (``inf``:
+    no cap but :data:`~pdmask.stats.MAX_LOG_RATIO`). Naive: ``log_ratio.exp().clamp(max=C)``."""
+    max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
+    return log_ratio.detach().clamp(max=max_log_w).exp()
+
+
+# ------------------------------------------------------------------ the three stages
+def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, *, is_level="token",
+                       is_cap: float = 5.0, is_floor: float | None = None, is_mask: bool = False,
+                       is_batch_normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The IS weight of each response token and the tokens its bounds mask.
+
+    Args:
+        log_ratio: (B, T) ``log pi_k - log mu_k`` (detached; padding may hold anything).
+        response_mask: (B, T) bool.
+        is_level, is_cap, is_floor, is_mask, is_batch_normalize: see the module docstring.
+
+    Returns ``(w, keep, metrics)``: ``w`` (B, T) detached (0 on padding and on masked
+    tokens), ``keep`` (B, T) bool (False where ``is_mask`` rejects), detached metrics
+    ``is_weight_mean/min/max`` over response tokens, ``is_truncated_frac`` (TIS) or
+    ``masked_frac_is`` / ``seq_masked_frac_is`` (``is_mask``).
+    """
+    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
+                             is_batch_normalize=is_batch_normalize)
+    return _importance(spec, log_ratio, response_mask.bool())
+
+
+def _importance(spec: CorrectionSpec, log_ratio, valid):
+    lr = _floored(log_ratio)
+    if spec.is_level is None:
+        w = torch.ones_like(lr)
+        keep = torch.ones_like(valid)
+        m = {}
+    else:
+        log_w = lr if spec.is_level == "token" else _seq_sum(lr, valid)[:, None].expand_as(lr)  # (B, T)
+        raw = log_w.clamp(max=MAX_LOG_RATIO).exp()  # the ratio (or its sequence product), overflow-capped
+        lo = 0.0 if spec.is_floor is None else spec.is_floor
+        out = (raw > spec.is_cap) | (raw < lo)
+        if spec.is_mask:
+            keep = ~out
+            w = torch.where(keep, raw, torch.zeros_like(raw))
+            m = {"masked_frac_is": _frac(out, valid, lr.dtype),
+                 "seq_masked_frac_is": _seq_frac(out, valid, lr.dtype)}
+        else:
+            keep = torch.ones_like(valid)
+            w = raw.clamp(min=lo, max=spec.is_cap)
+            m = {"is_truncated_frac": _frac(out, valid, lr.dtype)}
+        if spec.is_batch_normalize:
+            if spec.is_level == "token":
+                mean = _masked_mean(w, valid)
+            else:
+                has = valid.any(-1)
+                seq_w = _seq_mean(w, valid)
+                mean = torch.where(has, seq_w, torch.zeros_like(seq_w)).sum() / has.sum().clamp(min=1)
+            ok = mean > 1e-8  # verl's guard against an all-zero batch
+            w = torch.where(ok, w / torch.where(ok, mean, torch.ones_like(mean)), w)
+            m["is_batch_norm_factor"] = torch.where(ok, mean, torch.ones_like(mean))
+    w = torch.where(valid, w, torch.zeros_like(w))
+    big = torch.finfo(w.dtype).max
+    w_min = torch.where(valid, w, torch.full_like(w, big)).min() if w.numel() else w.new_zeros(())
+    m.update({
+        "is_weight_mean": _masked_mean(w, valid),
+        "is_weight_min": torch.where(valid.any(), w_min, torch.zeros_like(w_min)),  # 0 for an empty batch
+        "is_weight_max": torch.where(valid, w, torch.zeros_like(w)).max() if w.numel() else w.new_zeros(()),
+    })
+    return w.detach(), keep | ~valid, {k: v.detach() for k, v in m.items()}
+
+
+def _masked_mean(x, valid):
+    return torch.where(valid, x, torch.zeros_like(x)).sum() / valid.sum().clamp(min=1)
+
+
+def rule_statistic(name: str, log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The statistic a rule thresholds: (B, T) for ``token_*``, (B,) for ``seq_*``."""
+    check_choice("rejection", name, RULES)
+    valid = response_mask.bool()
+    lr = _floored(log_ratio).clamp(-RULE_LOG_BOUND, RULE_LOG_BOUND)
+    k = name[-2:]
+    tok = -lr if k == "k1" else (0.5 * lr * lr if k == "k2" else torch.expm1(lr) - lr)
+    if name.startswith("token_"):
+        return tok
+    if name.startswith("seq_sum_"):
+        return _seq_sum(tok, valid)
+    if name.startswith("seq_mean_"):
+        return _seq_mean(tok, valid)
+    # seq_max: 0 for a sequence without response tokens (as verl)
+    mx = torch.where(valid, tok, torch.full_like(tok, -math.inf)).max(-1).values if tok.shape[-1] else \
+        tok.new_zeros(tok.shape[:-1])
+    return torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx)
+
+
+def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, rejection,
+                   rejection_threshold) -> tuple[torch.Tensor, dict]:
+    """The tokens the rejection rules keep: ``(keep (B, T) bool, metrics)``.
+
+    ``rejection`` / ``rejection_threshold`` in verl's ``rollout_rs`` syntax
+    (:func:`parse_rejection`); every rule must pass. Metrics per rule (detached):
+    ``masked_frac_rs_<rule>`` (response tokens it rejects on its own) and
+    ``seq_masked_frac_rs_<rule>`` (sequences with a rejected token).
+    """
+    return _rejection(parse_rejection(rejection, rejection_threshold), log_ratio, response_mask.bool())
+
+
+def _rejection(rules, log_ratio, valid):
+    keep = torch.ones_like(valid)
+    m = {}
+    for rule in rules:
+        stat = rule_statistic(rule.name, log_ratio, valid)
+        if rule.lo is not None:  # k1: log(lo) <= stat <= log(hi)
+            ok = (stat >= math.log(rule.lo)) & (stat <= math.log(rule.hi))
+        else:
+            ok = stat <= rule.hi
+        ok = ok if ok.dim() == 2 else ok[:, None].expand_as(valid)
+        rej = ~ok & valid
+        m[f"masked_frac_rs_{rule.name}"] = _frac(rej, valid, log_ratio.dtype)
+        m[f"seq_masked_frac_rs_{rule.name}"] = _seq_frac(rej, valid, log_ratio.dtype)
+        keep = keep & ~rej
+    return keep, {k: v.detach() for k, v in m.items()}
+
+
+def off_policy_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                    off_policy_mask_threshold: float) -> tuple[torch.Tensor, dict]:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL ``off_policy_mask_threshold``).
+
+    A response token is masked iff ``A < 0`` and its sequence's mean of
+    ``log mu_k - log pi_k`` exceeds the threshold. ``advantages`` (B, T) or (B,).
+    Returns ``(keep (B, T) bool, {"masked_frac_opsm", "seq_masked_frac_opsm"})``.
+    """
+    check_positive("off_policy_mask_threshold", off_policy_mask_threshold)
+    valid = response_mask.bool()
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(valid)
+    return _opsm(float(off_policy_mask_threshold), log_ratio, adv, valid)
+
+
+def _opsm(delta, log_ratio, adv, valid):
+    seq_kl = _seq_mean(-_floored(log_ratio), valid)  # (B,) mean log(mu/pi)
+    rej = (adv < 0) & (seq_kl > delta)[:, None] & valid
+    m = {"masked_frac_opsm": _frac(rej, valid, log_ratio.dtype),
+         "seq_masked_frac_opsm": _seq_frac(rej, valid, log_ratio.dtype)}
+    return ~rej, {k: v.detach() for k, v in m.items()}
+
+
+@dataclass
+class CorrectionResult:
+    """``weight`` (B, T) detached IS weight, or None for the plain token TIS (the loss's
+    ``min(r, is_cap)``) and for ``ppo-clip``; ``keep`` (B, T) bool; ``metrics`` detached."""
+
+    weight: torch.Tensor | None
+    keep: torch.Tensor
+    metrics: dict
+
+
+def apply_corrections(spec: CorrectionSpec, log_ratio: torch.Tensor, advantages: torch.Tensor,
+                      response_mask: torch.Tensor, *, surrogate: str = "dppo") -> CorrectionResult:
+    """All three stages on (B, T) tensors for a checked :class:`CorrectionSpec`.
+
+    The weight is returned only where it differs from the surrogate's own: with the
+    ``dppo`` surrogate and a non-default spec; never with ``ppo-clip``, whose ratio is
+    the weight. The metrics add ``masked_frac_correction`` / ``seq_masked_frac_correction``
+    (response tokens / sequences any correction masks).
+    """
+    valid = response_mask.bool()
+    keep = torch.ones_like(valid)
+    m: dict = {}
+    weight = None
+    if not spec.default_weight:
+        w, k_is, m_is = _importance(spec, log_ratio, valid)
+        weight = w if surrogate == "dppo" else None
+        keep = keep & k_is
+        # ppo-clip applies the masks only: its weight is the PPO ratio, not this one
+        m.update({k: v for k, v in m_is.items() if surrogate == "dppo" or not k.startswith("is_weight")})
+    if spec.rules:
+        k_rs, m_rs = _rejection(spec.rules, log_ratio, valid)
+        keep = keep & k_rs
+        m.update(m_rs)
+    if spec.off_policy_mask_threshold is not None:
+        k_op, m_op = _opsm(spec.off_policy_mask_threshold, log_ratio, advantages, valid)
+        keep = keep & k_op
+        m.update(m_op)
+    if spec.active:
+        rej = ~keep & valid
+        m["masked_frac_correction"] = _frac(rej, valid, log_ratio.dtype).detach()
+        m["seq_masked_frac_correction"] = _seq_frac(rej, valid, log_ratio.dtype).detach()
+    return CorrectionResult(weight, keep | ~valid, m)
