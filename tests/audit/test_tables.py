@@ -70,6 +70,28 @@ def test_exact_tests_hand_worked():
     assert (st["n_untied"], st["n_tied"]) == (10, 1)
 
 
+def test_mcnemar_on_O_counts_only_the_discordant_tokens():
+    # On O: 1 token only the predictive criterion gets right, 6 only the ratio (the
+    # disagreement tokens), plus concordant ones where both criteria point the same way
+    # (A = +1, both outward): 5 with dD > 0 (both right) and 3 with dD < 0 (both wrong).
+    # McNemar uses b = 1, c = 6 alone: p = 2 (C(7,0) + C(7,1)) / 2^7 = 2 * 8 / 128 = 0.125.
+    # (Had the concordant pairs leaked in, e.g. as b = 1 + 3, c = 6 + 5, p would differ.)
+    rows = ([(0, 1.0, 0.1, -0.1, -0.01)] + [(s, 1.0, 0.1, -0.1, +0.01) for s in (0, 1, 2) for _ in range(2)]
+            + [(1, 1.0, 0.2, 0.3, +0.5)] * 5 + [(2, 1.0, 0.2, 0.3, -0.5)] * 3)
+    t = tables(records(rows), [0, 1, 2], n_boot=200)["rates"]["batch"]
+    o = t["out_of_region"]
+    assert o["n_tokens"] == 15
+    m = o["vs_ratio"]["pred-exact"]["mcnemar"]
+    assert (m["only_predictive_right"], m["only_ratio_right"]) == (1, 6)
+    assert m["p"] == pytest.approx(0.125, abs=1e-15)
+    # pooled sign accuracy on O: predictive (1 + 5) / 15, ratio (6 + 5) / 15
+    assert o["criteria"]["pred-exact"]["sign_accuracy"]["estimate"] == pytest.approx(6 / 15)
+    assert o["criteria"]["ratio"]["sign_accuracy"]["estimate"] == pytest.approx(11 / 15)
+    # the disagreement set's sign test sees the same 7 tokens: binomial(7, 1/2) at k = 1
+    st = t["disagreement:pred-exact"]["vs_ratio"]["pred-exact"]["sign_test"]
+    assert (st["predictive_right"], st["n_untied"]) == (1, 7) and st["p"] == pytest.approx(0.125, abs=1e-15)
+
+
 def test_agreeing_tokens_are_outside_the_disagreement_set_and_seeds_without_tokens_count():
     rows = ROWS + [(1, -1.0, 0.2, 0.3, -0.5), (1, 1.0, -0.2, -0.3, 0.5)]  # both criteria agree here
     rec = records(rows)
