@@ -237,16 +237,18 @@ def plot_grid(path: Path, doc: dict) -> None:
     im = a1.imshow(M, cmap="RdBu", vmin=-100, vmax=100, aspect="auto")
     for i in range(len(names)):
         for j in range(len(GRID_KINDS)):
-            a1.text(j, i, ann[i][j] or "n/a", ha="center", va="center", fontsize=7)
+            dark = np.isfinite(M[i, j]) and abs(M[i, j]) > 60  # white text on the dark ends of the map
+            a1.text(j, i, ann[i][j] or "n/a", ha="center", va="center", fontsize=7, color="w" if dark else "k")
     a1.set_xticks(range(len(GRID_KINDS)), GRID_KINDS)
     a1.set_yticks(range(len(names)), names)
     a1.set_title("disagreement set: sign accuracy predictive - ratio\n(blue: predictive right more often)")
     fig.colorbar(im, ax=a1, fraction=0.04, label="pp")
-    im2 = a2.imshow(share, cmap="viridis", vmin=0, vmax=max(1.0, float(np.nanmax(share)) if np.isfinite(share).any() else 1),
-                    aspect="auto")
+    smax = max(1.0, float(np.nanmax(share)) if np.isfinite(share).any() else 1)
+    im2 = a2.imshow(share, cmap="viridis", vmin=0, vmax=smax, aspect="auto")
     for i in range(len(names)):
+        light = np.isfinite(share[i, 0]) and share[i, 0] > 0.6 * smax  # viridis is light at the top
         a2.text(0, i, "n/a" if np.isnan(share[i, 0]) else f"{share[i, 0]:.2f}%", ha="center", va="center",
-                fontsize=8, color="w")
+                fontsize=8, color="k" if light else "w")
     a2.set_xticks([0], ["output layer\nshare (%)"])
     a2.set_yticks([])
     fig.colorbar(im2, ax=a2, fraction=0.2)
