@@ -58,6 +58,8 @@ def grid_command(
     ties: str = typer.Option("tied,untied", "--ties", help="tied, untied (comma-separated)"),
     vocab: str = typer.Option("1024,4096", "--vocab", help="vocabulary sizes (comma-separated)"),
     hidden: str = typer.Option("128,256", "--hidden", help="hidden sizes (comma-separated; MLP width = 3 x hidden)"),
+    cells: str = typer.Option("", "--cells", help="only these cells of the grid, e.g. tied-V1024-H128,untied-V4096-H128 "
+                                                  "(comma-separated; default: every cell)"),
     seeds: int = typer.Option(8, "--seeds", help="rollout batches (seeds) per cell"),
     seed_offset: int = typer.Option(0, "--seed-offset", help="first seed"),
     precision: Optional[str] = typer.Option(None, "--precision", help="engine precision"),
@@ -135,14 +137,29 @@ def cell_summary(doc: dict) -> dict:
     return row
 
 
+def select_cells(ties: str, vocab: str, hidden: str, cells: str = "") -> list[tuple[bool, int, int]]:
+    """The grid's cells (tied, V, H) in run order: the product of ``ties x vocab x hidden``,
+    restricted to the names in ``cells`` when given (each must be a cell of the product)."""
+    grid = [(t, V, H) for t in _ties(ties) for V in _ints("vocab", vocab) for H in _ints("hidden", hidden)]
+    want = [x.strip() for x in cells.split(",") if x.strip()]
+    if not want:
+        return grid
+    names = {cell_name(*c): c for c in grid}
+    bad = [w for w in want if w not in names]
+    if bad:
+        raise ValueError(f"cells: {', '.join(bad)} not in the grid of --ties/--vocab/--hidden "
+                         f"(valid: {', '.join(names)})")
+    return [c for c in grid if cell_name(*c) in want]
+
+
 def run_grid(*, out, config, set_, ties, vocab, hidden, seeds, seed_offset, precision, lag, delta, lr, sample_tokens,
-             disagreement_tokens, instruments, bootstrap, jobs, fresh, progress) -> dict:
+             disagreement_tokens, instruments, bootstrap, jobs, fresh, progress, cells="") -> dict:
     a = dict(locals())
     from rich.console import Console
 
     from .command import run_cli
 
-    cells = [(t, V, H) for t in _ties(ties) for V in _ints("vocab", vocab) for H in _ints("hidden", hidden)]
+    cells = select_cells(ties, vocab, hidden, cells)
     console = Console(stderr=True)
     Path(out).mkdir(parents=True, exist_ok=True)
     rows = {}
