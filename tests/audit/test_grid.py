@@ -1,6 +1,8 @@
 """audit-grid's cell selection and its report (no audit is run here; the smoke test in
 test_cli_smoke.py runs two tiny cells end to end)."""
 
+import json
+
 import pytest
 
 from pdmask.audit.grid import grid_markdown, select_cells
@@ -35,3 +37,31 @@ def test_reproduce_line_names_the_cells_and_every_setting():
     s["cells"] = ""
     line = next(x for x in grid_markdown({"settings": s, "cells": {}}).splitlines() if x.startswith("pdmask audit-grid"))
     assert "--cells" not in line
+
+
+def _fp(**trainer):
+    from pdmask.train.config import TrainConfig
+
+    t = {k: v for k, v in TrainConfig().to_dict().items()}
+    t.update(trainer)
+    return json.loads(json.dumps({"audit": {"divergence": "topk_kl"}, "trainer": t, "model": "", "lag": 4},
+                                 default=str))
+
+
+def test_seeds_written_before_a_trainer_field_existed_resume_at_its_default(tmp_path):
+    """A seed directory whose settings predate a trainer field (here: the off-policy
+    corrections) is resumed when the field is at its default, refused when it is not."""
+    from pdmask.audit.command import _seed_dir
+
+    new = _fp()
+    old = {**new, "trainer": {k: v for k, v in new["trainer"].items() if k not in ("is_level", "is_mask")}}
+    (tmp_path / "seeds").mkdir()
+    (tmp_path / "seeds" / "settings.json").write_text(json.dumps(old))
+    _seed_dir(tmp_path, new, fresh=False)
+    assert json.loads((tmp_path / "seeds" / "settings.json").read_text()) == new  # rewritten in today's terms
+    (tmp_path / "seeds" / "settings.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"trainer\.is_mask differ"):
+        _seed_dir(tmp_path, _fp(is_mask=True), fresh=False)
+    # a known field that changed is refused as before
+    with pytest.raises(ValueError, match=r"trainer\.lr differ"):
+        _seed_dir(tmp_path, _fp(lr=1.0, is_mask=False), fresh=False)

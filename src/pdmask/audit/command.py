@@ -89,8 +89,10 @@ def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     f = d / "settings.json"
     if f.exists():
-        old = json.loads(f.read_text())
-        if old != fp:
+        old = _with_new_defaults(json.loads(f.read_text()), fp)
+        if old == fp:
+            f.write_text(json.dumps(fp, indent=1))  # now in the current code's terms
+        else:
             diff = [f"{sec}.{k}" for sec in fp for k in (fp[sec] if isinstance(fp[sec], dict) else [None])
                     if (old.get(sec, {}).get(k) if k else old.get(sec)) != (fp[sec].get(k) if k else fp[sec])]
             raise ValueError(f"out: {str(out)!r} holds seeds audited with other settings ({', '.join(diff[:5])} "
@@ -98,6 +100,24 @@ def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
     else:
         f.write_text(json.dumps(fp, indent=1))
     return d
+
+
+def _with_new_defaults(old: dict, fp: dict) -> dict:
+    """``old`` with the trainer settings it does not know (fields added to the trainer
+    config since its seeds were written) filled in at their defaults: a seed written
+    before a new field existed was computed as with the field's default. A new field at a
+    non-default value stays a difference."""
+    from dataclasses import fields
+
+    from ..train.config import TrainConfig
+
+    defaults = json.loads(json.dumps({x.name: getattr(TrainConfig(), x.name) for x in fields(TrainConfig)},
+                                     default=str))
+    t = dict(old.get("trainer", {}))
+    for k in fp.get("trainer", {}):
+        if k not in t and k in defaults:
+            t[k] = defaults[k]
+    return {**old, "trainer": t}
 
 
 def seed_path(d: Path, seed: int) -> Path:
