@@ -1,4 +1,4 @@
-"""Command line: ``pdmask train | compare | report | ladder | audit``.
+"""Command line: ``pdmask train | compare | report | ladder | audit | audit-grid``.
 
 Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets live in
 ``configs/*.yaml``; ``--config main`` is short for ``configs/main.yaml``.
@@ -256,7 +256,7 @@ def ladder(
         _fail(e)
 
 
-# `pdmask audit`: the direction audit's command (its options live with it in pdmask.audit.cli)
+# `pdmask audit`, `pdmask audit-grid`: the direction audit's commands (their options live in pdmask.audit.cli)
 from .audit.cli import register as _register_audit  # noqa: E402  (registered last: listed last in --help)
 
 _register_audit(app)

@@ -87,3 +87,46 @@ class Bandit(torch.nn.Module):
 def bandit_forward(model, sequences, attention_mask, prompt_len):
     # sequences (N, 2): [prompt = row id, response token]; one response position per row
     return model.z[sequences[:, 0]][:, None, :]  # (N, 1, V)
+
+
+def tiny_llama(*, vocab: int = 40, d: int = 16, layers: int = 1, tied: bool = True, seed: int = 0,
+               dtype=torch.float64):
+    """A transformers LlamaForCausalLM from a config (nothing downloaded), tied or untied."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=tied)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        with torch.no_grad():  # larger weights than the default init: logits far from uniform
+            for p in m.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.3)
+    return m.eval()
+
+
+def llama_batch(model, engine, *, B: int = 3, P: int = 3, T: int = 5, K: int = 6, seed: int = 0,
+                temperature: float = 1.0) -> tuple[RolloutBatch, torch.Tensor]:
+    """Random prompts + responses scored by ``engine`` (mu: its logits, top-K, log mu_k);
+    one left-padded prompt, one right-padded response; (B, T) advantages, 0 on padding."""
+    from pdmask.engine.hf import response_logits
+
+    g = torch.Generator().manual_seed(seed)
+    V = model.get_output_embeddings().weight.shape[0]
+    seq = torch.randint(0, V, (B, P + T), generator=g)
+    am = torch.ones(B, P + T, dtype=torch.bool)
+    am[0, 0] = False
+    rmask = torch.ones(B, T, dtype=torch.bool)
+    rmask[1, -2:] = False
+    am[:, P:] = rmask
+    with torch.no_grad():
+        z = response_logits(engine, seq, am, P).to(torch.float64)  # (B, T, V)
+    logq = torch.log_softmax(z / temperature, -1)
+    tk_lp, tk_ids = logq.topk(K, -1)
+    lp = logq.gather(-1, seq[:, P:, None]).squeeze(-1)
+    rb = RolloutBatch(sequences=seq, attention_mask=am, prompt_len=P, response_mask=rmask, sampled_logprob=lp,
+                      topk_ids=tk_ids, topk_logprobs=tk_lp, logits=z)
+    A = torch.randn(B, generator=g, dtype=torch.float64)[:, None].expand(B, T).clone()
+    return rb, torch.where(rmask, A, 0.0)

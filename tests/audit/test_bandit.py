@@ -9,6 +9,8 @@ local term and must be wrong where the global term dominates.
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -126,7 +128,7 @@ def test_audit_batch_on_independent_bandits_sgd():
     predictive sign on every token, while the ratio does not."""
     z_pi, z_mu, k, A, rb = random_bandits(N=200, V=6, K=6, seed=3)
     cfg = AuditConfig(divergence="full_kl", delta_low=1e-3, delta_high=1e-3, optimizer="sgd", lr=1e-2,
-                      isolated_tokens=20, isolated_disagreement=20, isolated_step=1e-5, bootstrap=100,
+                      sample_tokens=20, disagreement_tokens=20, isolated_step=1e-5, bootstrap=100,
                       fidelity_ks=(1, 6))
     model = Bandit(z_pi)
     r = audit_batch(model, bandit_forward, rb, A, cfg, seed=0)
@@ -134,12 +136,16 @@ def test_audit_batch_on_independent_bandits_sgd():
     o = r.counts["batch"]["out_of_region"]
     n = r.info["n_out_of_region"]
     assert n > 150 and o["ratio"]["n"] == n
-    for kind in ("batch", "logit", "isolated"):
+    # the step-free inner product of a bandit is A * Ddot itself (the parameters are the
+    # logits); the own effect of an SGD step on independent rows is the row's whole change
+    for kind in ("batch", "logit", "isolated", "param", "own"):
         c = r.counts[kind]["out_of_region"]
         assert c["pred-full"]["sign_ok"] == c["pred-full"]["n"], kind
         assert c["pred-exact"]["sign_ok"] == c["pred-exact"]["n"], kind  # K = V: exact = full
         assert c["pred-full"]["unsafe"] == 0, kind  # a correct criterion never keeps an increase
     assert o["ratio"]["sign_ok"] < o["ratio"]["n"]
+    m = r.tokens["measured"]
+    np.testing.assert_allclose(r.tokens["own"][m], r.tokens["dD_batch64"][m], rtol=1e-9, atol=1e-15)
     d = r.counts["batch"]["disagreement:pred-full"]
     assert d["ratio"]["n"] > 0 and d["ratio"]["sign_ok"] == 0 and d["pred-full"]["sign_ok"] == d["ratio"]["n"]
     # fidelity at K = V: every estimator equals the full Ddot, top-K KL = full KL

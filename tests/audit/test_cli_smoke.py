@@ -21,7 +21,7 @@ TINY = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=
 def test_cli_smoke(tmp_path):
     out = tmp_path / "audit"
     args = [sys.executable, "-m", "pdmask.cli", "audit", "--out", str(out), "--seeds", "2",
-            "--precision", "fp8-bf16", "--delta", "1e-4", "--isolated-tokens", "2", "--isolated-disagreement", "2",
+            "--precision", "fp8-bf16", "--delta", "1e-4", "--sample-tokens", "2", "--disagreement-tokens", "2",
             "--bootstrap", "50", "--no-progress", "--set", f"cache_dir={tmp_path / 'cache'}"]
     for kv in TINY:
         args += ["--set", kv]
@@ -39,6 +39,20 @@ def test_cli_smoke(tmp_path):
     # the fidelity sweep's K is capped at V = 300, so 100 is the largest K
     assert max(map(int, doc["summary"]["fidelity"]["response"]["sign_agreement"])) == 100
     assert "## Definitions (ours)" in (out / "audit.md").read_text()
+    assert sorted(p.name for p in (out / "seeds").glob("seed-*.pt")) == ["seed-000000.pt", "seed-000001.pt"]
+
+    # resumable per seed, in 2 worker processes: a third seed is added, the first two are reused
+    res = subprocess.run(args[:args.index("--seeds")] + ["--seeds", "3", "--jobs", "2"] + args[args.index("--seeds") + 2:],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming, 2 of 3 seeds" in res.stderr
+    doc3 = json.loads((out / "audit.json").read_text())
+    assert [s["seed"] for s in doc3["summary"]["per_seed"]] == [0, 1, 2]
+    assert doc3["summary"]["per_seed"][:2] == doc["summary"]["per_seed"]  # the same seeds, not redone
+    # other settings in the same directory are refused (one line), --fresh starts over
+    bad = args + ["--lr", "1e-2"]
+    res = subprocess.run(bad, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2 and "error: out:" in res.stderr and "audit.lr" in res.stderr
 
 
 def test_cli_bad_option_is_an_error(tmp_path):
@@ -68,7 +82,7 @@ def test_audit_of_a_run_directory(tmp_path):
     run = tmp_path / "runs" / "smoke"
     out = tmp_path / "audit"
     res = subprocess.run([sys.executable, "-m", "pdmask.cli", "audit", "--model", str(run), "--out", str(out),
-                          "--seeds", "1", "--delta", "1e-3", "--isolated-tokens", "2", "--isolated-disagreement", "1",
+                          "--seeds", "1", "--delta", "1e-3", "--sample-tokens", "2", "--disagreement-tokens", "1",
                           "--bootstrap", "20", "--no-progress", "--no-plots"],
                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -79,3 +93,35 @@ def test_audit_of_a_run_directory(tmp_path):
     assert r["engine_weights"].startswith("from the checkpoint")
     assert r["vocab_size"] == 400  # the smoke preset's model, not the default one
     assert doc["settings"]["run"]["trainer_config"]["name"] == "smoke"
+
+
+@pytest.mark.slow
+def test_audit_grid_smoke(tmp_path):
+    """`pdmask audit-grid` on two tiny cells (tied / untied): grid.json, grid.md, grid.png,
+    one report per cell; a rerun reuses every seed."""
+    out = tmp_path / "grid"
+    # the smoke preset (a 40-step SFT base, partial-credit reward: advantages are not all 0)
+    args = [sys.executable, "-m", "pdmask.cli", "audit-grid", "--out", str(out), "--ties", "tied,untied",
+            "--vocab", "400", "--hidden", "32", "--seeds", "2", "--precision", "fp8-bf16", "--delta", "1e-4",
+            "--lag", "1", "--sample-tokens", "2", "--bootstrap", "50", "--no-progress",
+            "--config", str(SRC.parent / "configs" / "smoke.yaml"), "--set", f"cache_dir={tmp_path / 'cache'}",
+            "--set", "threads=1", "--set", "prompts_per_step=8"]
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PDMASK_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    g = json.loads((out / "grid.json").read_text())
+    assert list(g["cells"]) == ["tied-V400-H32", "untied-V400-H32"]
+    for name, cell in g["cells"].items():
+        assert (out / name / "audit.json").exists() and cell["n_seeds"] == 2
+        assert cell["head_share"] is None or 0 <= cell["head_share"] <= 1
+    assert (out / "grid.png").stat().st_size > 0 and "| tied-V400-H32 |" in (out / "grid.md").read_text()
+    # the untied cell really has its own output layer: its records' cross term is 0
+    import numpy as np
+    z = np.load(out / "untied-V400-H32" / "audit_tokens.npz")
+    m = np.isfinite(z["ip_cross"])
+    assert m.any() and np.all(z["ip_cross"][m] == 0)
+    z = np.load(out / "tied-V400-H32" / "audit_tokens.npz")
+    assert np.any(z["ip_cross"][np.isfinite(z["ip_cross"])] != 0)
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr.count("resuming, 2 of 2 seeds") == 2, res.stderr[-2000:]

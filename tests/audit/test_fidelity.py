@@ -34,6 +34,6 @@ def test_fidelity_tv_family_and_summary():
     assert sorted(per_seed[0]["half"]["K"]) == [2, 5, 40]  # 60 capped at V = 40
     assert all(a == n == 16 for a, n in per_seed[0]["half"]["K"][40].values())
     S = summarize_fidelity(per_seed, n_boot=50)
-    assert S["all"]["sign_agreement"][40]["exact"]["mean"] == 1.0
-    assert 0 < S["all"]["kl_share"][2]["pooled"] < S["all"]["kl_share"][5]["pooled"] <= 1.0 + 1e-12
+    assert S["all"]["sign_agreement"][40]["exact"]["estimate"] == 1.0  # pooled over seeds
+    assert 0 < S["all"]["kl_share"][2]["estimate"] < S["all"]["kl_share"][5]["estimate"] <= 1.0 + 1e-12
     assert effective_ks((100,), 40) == [40]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdmask.audit.criteria import out_of_region
-from pdmask.audit.rates import bootstrap_ci, classify, classify_seed, rate, summarize
+from pdmask.audit.rates import classify, classify_seed, rate
 
 # Eight tokens. Columns: A, D, log r (ratio criterion), Ddot (predictive), dD (realized).
 #   tok  A    D     log r  Ddot   dD     ratio says        predictive says
@@ -75,48 +75,6 @@ def test_disagreement_set_hand_example():
     # sign(A c) vs realized on {1,4,5}: ratio (+,+,-) vs (-,+,+) -> 1; predictive (-,-,+) -> 2
     assert d["ratio"]["sign_ok"] == 1 and d["pred-exact"]["sign_ok"] == 2
     assert set(res) == {"out_of_region", "disagreement:pred-exact"}
-
-
-def _counts(n, kept, unsafe, corrective, sign_ok=0):
-    return dict(n=n, kept=kept, masked=n - kept, unsafe=unsafe, corrective=corrective,
-                ties_kept=kept - unsafe - corrective, masked_increase=0, sign_ok=sign_ok)
-
-
-def test_summary_means_of_per_seed_rates_pooled_and_paired_differences():
-    seeds = [
-        {"ratio": _counts(10, 4, 1, 3, 6), "p": _counts(10, 5, 1, 4, 7)},   # ratio 1/4, p 1/5
-        {"ratio": _counts(20, 10, 5, 5, 10), "p": _counts(20, 8, 2, 6, 14)},  # ratio 1/2, p 1/4
-        {"ratio": _counts(5, 0, 0, 0, 1), "p": _counts(5, 2, 0, 2, 3)},     # ratio undefined, p 0
-    ]
-    s = summarize(seeds, n_boot=500, seed=1)
-    uk_r = s["criteria"]["ratio"]["unsafe_keep"]
-    assert uk_r["n_seeds"] == 2 and uk_r["mean"] == pytest.approx((1 / 4 + 1 / 2) / 2)
-    assert uk_r["pooled"] == pytest.approx(6 / 14)
-    uk_p = s["criteria"]["p"]["unsafe_keep"]
-    assert uk_p["n_seeds"] == 3 and uk_p["mean"] == pytest.approx((1 / 5 + 1 / 4 + 0) / 3)
-    # the paired difference only uses seeds where both rates exist (the first two)
-    d = s["diff_vs_ratio"]["p"]["unsafe_keep"]
-    assert d["n_seeds"] == 2 and d["mean"] == pytest.approx(((1 / 5 - 1 / 4) + (1 / 4 - 1 / 2)) / 2)
-    lo, hi = d["ci95"]
-    assert lo <= d["mean"] <= hi and lo == pytest.approx(1 / 4 - 1 / 2) and hi == pytest.approx(1 / 5 - 1 / 4)
-    assert s["criteria"]["ratio"]["counts"]["n"] == 35
-    assert s["criteria"]["p"]["sign_accuracy"]["mean"] == pytest.approx((7 / 10 + 14 / 20 + 3 / 5) / 3)
-
-
-def test_bootstrap_interval_properties():
-    assert bootstrap_ci([0.3] * 7, n_boot=200) == pytest.approx((0.3, 0.3))
-    assert bootstrap_ci([0.42], n_boot=50) == pytest.approx((0.42, 0.42))
-    vals = torch.linspace(0, 1, 40).tolist()
-    a = bootstrap_ci(vals, n_boot=2000, seed=3)
-    assert a == bootstrap_ci(vals, n_boot=2000, seed=3)  # seeded
-    assert a != bootstrap_ci(vals, n_boot=2000, seed=4)
-    # the standard error of the mean of 40 uniform-ish values is ~0.30/sqrt(40) = 0.047,
-    # so the 95% interval is about +-0.09 around 0.5
-    assert 0.38 < a[0] < 0.45 and 0.55 < a[1] < 0.62
-    with pytest.raises(ValueError, match="values"):
-        bootstrap_ci([])
-    with pytest.raises(ValueError, match="values"):
-        bootstrap_ci([0.1, float("nan")])
 
 
 def test_classify_shape_mismatch_is_a_value_error():

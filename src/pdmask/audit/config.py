@@ -13,7 +13,12 @@ from ..masks import MODES
 #: there is nothing to compare.
 DIVERGENCES = ("topk_kl", "topk_tv", "full_kl", "full_tv")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-ISOLATED_PARAMS = ("all", "head")
+#: per-token instruments, measured on a uniform sample of O plus the headline
+#: disagreement set: ``param`` (step-free <grad D, grad A log pi> with its group split),
+#: ``precond`` (the same through AdamW's preconditioner; needs an optimizer state),
+#: ``own`` (own effect inside the batch, leave-one-out), ``isolated`` / ``isolated-head``
+#: (a small parameter step on the token's loss: all parameters / the output embedding)
+INSTRUMENTS = ("param", "precond", "own", "isolated", "isolated-head")
 #: K values of the estimator-fidelity sweep (capped at the vocabulary size).
 FIDELITY_KS = (1, 2, 5, 10, 20, 50, 100)
 
@@ -38,21 +43,22 @@ class AuditConfig:
         grad_clip: global gradient-norm clip of the batch step (0: off), as the trainer.
         is_cap, loss_agg, eps_low, eps_high: loss settings of the batch step.
         temperature: sampling temperature; ``pi = softmax(logits / T)``.
-        isolated_tokens: uniform sample of out-of-region tokens per seed that get an
-            isolated parameter-space step (0 disables).
-        isolated_disagreement: additionally, up to this many disagreement tokens per seed.
+        sample_tokens: size of the seeded uniform sample of O per seed on which the
+            per-token instruments are measured (0: none).
+        disagreement_tokens: the headline criterion's disagreement tokens per seed that
+            the instruments measure as well (-1: all of them).
+        instruments: which per-token instruments to measure (see :data:`INSTRUMENTS`).
         isolated_step: parameter-space length of the isolated step (normalised gradient);
             small enough for the first-order regime (the realized dD / step is flat below
             ~1e-4 on the built-in model) and far above float64 rounding.
-        isolated_params: which parameters the isolated step moves, one measurement each:
-            ``all`` (the whole network) and/or ``head`` (only the output embedding, whose
-            gradient moves the logits exactly along ``e_k - pi`` when it is not tied).
         isolated_dtype: dtype of the model copy used for the isolated steps.
         logit_step: length of the logit-space isolated step along ``sign(A)(e_k - pi)``
             (tiny: second-order terms must stay below ``step * |Ddot|`` even for
             ``|Ddot| ~ 1e-6``; float64 keeps the change far above rounding).
         tie_tol: ``|dD| <= tie_tol`` counts as no change (neither unsafe nor corrective).
         fidelity_ks: K values of the estimator-fidelity sweep.
+        delta_sweep: larger thresholds whose headline tables are recomputed from the
+            records (a subset of O; see :func:`.tables.delta_sweep`).
         bootstrap: bootstrap resamples over seeds; bootstrap_seed seeds them.
     """
 
@@ -71,14 +77,15 @@ class AuditConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     temperature: float = 1.0
-    isolated_tokens: int = 32
-    isolated_disagreement: int = 32
+    sample_tokens: int = 32
+    disagreement_tokens: int = -1
+    instruments: tuple = ("param", "precond", "own", "isolated")
     isolated_step: float = 1e-5
-    isolated_params: tuple = ("all",)
     isolated_dtype: str = "float64"
     logit_step: float = 1e-7
     tie_tol: float = 0.0
     fidelity_ks: tuple = field(default_factory=lambda: FIDELITY_KS)
+    delta_sweep: tuple = ()
     bootstrap: int = 10000
     bootstrap_seed: int = 0
 
@@ -94,11 +101,14 @@ class AuditConfig:
             _fail("optimizer", f"unknown value {self.optimizer!r}; valid values are: {', '.join(OPTIMIZERS)}")
         if self.loss_agg not in LOSS_AGGS:
             _fail("loss_agg", f"unknown value {self.loss_agg!r}; valid values are: {', '.join(LOSS_AGGS)}")
-        ip = (self.isolated_params,) if isinstance(self.isolated_params, str) else tuple(self.isolated_params)
-        if not ip or any(x not in ISOLATED_PARAMS for x in ip) or len(set(ip)) != len(ip):
-            _fail("isolated_params", f"must be a non-empty list of distinct values from {', '.join(ISOLATED_PARAMS)}, "
-                  f"got {self.isolated_params!r}")
-        self.isolated_params = ip
+        if "batch" in MODES[self.step_mode].needs:
+            _fail("step_mode", f"{self.step_mode!r} needs an external batch direction (batch_ddot); the audit's "
+                  "batch step supports the per-token modes")
+        ins = (self.instruments,) if isinstance(self.instruments, str) else tuple(self.instruments)
+        if any(x not in INSTRUMENTS for x in ins) or len(set(ins)) != len(ins):
+            _fail("instruments", f"must be a list of distinct values from {', '.join(INSTRUMENTS)}, "
+                  f"got {self.instruments!r}")
+        self.instruments = ins
         if self.isolated_dtype not in ("float32", "float64"):
             _fail("isolated_dtype", f"must be 'float32' or 'float64', got {self.isolated_dtype!r}")
         for name in ("delta_low", "delta_high", "lr", "isolated_step", "logit_step", "temperature",
@@ -112,12 +122,21 @@ class AuditConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 _fail(name, f"must be a non-negative finite number, got {v!r}")
-        for name in ("isolated_tokens", "isolated_disagreement", "bootstrap_seed"):
+        for name in ("sample_tokens", "bootstrap_seed"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 _fail(name, f"must be a non-negative int, got {v!r}")
+        v = self.disagreement_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < -1:
+            _fail("disagreement_tokens", f"must be an int >= 0, or -1 for all, got {v!r}")
         if not isinstance(self.bootstrap, int) or self.bootstrap < 1:
             _fail("bootstrap", f"must be a positive int, got {self.bootstrap!r}")
+        sw = tuple(self.delta_sweep)
+        lo = min(self.delta_low, self.delta_high)
+        if any(not isinstance(d, (int, float)) or not math.isfinite(d) or d < lo for d in sw):
+            _fail("delta_sweep", f"must be numbers >= the audited delta ({lo}): an audit records only the tokens "
+                  f"above its own delta; got {self.delta_sweep!r}")
+        self.delta_sweep = tuple(sorted(set(float(d) for d in sw)))
         ks = tuple(self.fidelity_ks)
         if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
             _fail("fidelity_ks", f"must be a non-empty list of positive ints, got {self.fidelity_ks!r}")
@@ -134,6 +153,7 @@ class AuditConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["betas"], d["fidelity_ks"] = list(self.betas), list(self.fidelity_ks)
-        d["isolated_params"] = list(self.isolated_params)
+        d["instruments"] = list(self.instruments)
+        d["delta_sweep"] = list(self.delta_sweep)
         d["is_cap"] = self.is_cap if math.isfinite(self.is_cap) else "inf"
         return d

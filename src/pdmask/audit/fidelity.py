@@ -15,7 +15,7 @@ import torch
 
 from ..keys import ESTIMATORS, ddot_key
 from ..stats import token_stats
-from .rates import _stat
+from ..significance import pooled_ratio
 
 
 def effective_ks(ks, vocab_size: int) -> list[int]:
@@ -68,8 +68,9 @@ def fidelity_counts(
 
 
 def summarize_fidelity(per_seed: list[dict], *, n_boot: int = 10000, seed: int = 0) -> dict:
-    """Across seeds: sign agreement per (set, K, estimator) and KL/TV shares, each as
-    ``{mean, ci95, n_seeds, pooled}`` (per-seed ratio, averaged over seeds)."""
+    """Across seeds: sign agreement per (set, K, estimator), aggregated = uniform, and the
+    KL/TV shares, each a pooled ratio (sum over seeds / sum over seeds) with its
+    seed-cluster bootstrap interval (:func:`pdmask.significance.pooled_ratio` dicts)."""
     if not per_seed:
         return {}
     res: dict = {}
@@ -90,8 +91,6 @@ def summarize_fidelity(per_seed: list[dict], *, n_boot: int = 10000, seed: int =
 
 
 def _ratio_stat(pairs, n_boot, seed) -> dict:
-    vals = [a / b for a, b in pairs if b > 0]
-    st = _stat(vals, n_boot, seed)
-    den = sum(b for _, b in pairs)
-    st["pooled"] = sum(a for a, _ in pairs) / den if den > 0 else None
-    return st
+    num = [float(a) for a, _ in pairs]
+    den = [float(b) for _, b in pairs]
+    return pooled_ratio(num, den, n_boot=n_boot, seed=seed).to_dict()

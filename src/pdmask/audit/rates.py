@@ -15,11 +15,9 @@ Definitions (ours; the paper's exact definitions were not available):
 - disagreement set of a predictive criterion p: tokens of O where the ratio and p
   differ on "outward".
 
-Across seeds a rate is the mean of the per-seed rates over the seeds where its
-denominator is non-zero (each seed weighs the same, as a seed is the unit that is
-resampled); the interval is a percentile bootstrap over seeds; the difference
-"p minus ratio" is the mean of the paired per-seed differences with its own bootstrap
-interval. The pooled rate (sum of numerators over sum of denominators) is reported too.
+Across seeds the rates are pooled over tokens with a seed-cluster bootstrap: see
+:mod:`.tables`, which computes every table of the report from the per-token records.
+This module holds the per-set counting rules (also used for one seed's quick counts).
 """
 
 from __future__ import annotations
@@ -98,69 +96,6 @@ def rate(counts: dict[str, int], name: str) -> float | None:
     """One rate from counts; None when its denominator is 0."""
     num, den = RATES[name]
     return counts[num] / counts[den] if counts[den] else None
-
-
-def bootstrap_ci(values, *, n_boot: int = 10000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (resampling the values).
-
-    Naive equivalent: ``np.percentile([mean(choice(v, len(v))) for _ in range(B)], [2.5, 97.5])``.
-    Seeded, so the same values give the same interval. One value gives a zero-width interval.
-    """
-    v = torch.as_tensor(list(values), dtype=torch.float64)
-    if v.numel() == 0:
-        raise ValueError("values: need at least one value for a bootstrap interval")
-    if not torch.isfinite(v).all():
-        raise ValueError("values: contains NaN or inf")
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, v.numel(), (n_boot, v.numel()), generator=g)
-    means = v[idx].mean(1)
-    a = (1 - level) / 2
-    lo, hi = torch.quantile(means, torch.tensor([a, 1 - a], dtype=torch.float64)).tolist()
-    return lo, hi
-
-
-def _stat(vals: list[float], n_boot: int, seed: int) -> dict:
-    if not vals:
-        return {"mean": None, "ci95": None, "n_seeds": 0}
-    lo, hi = bootstrap_ci(vals, n_boot=n_boot, seed=seed)
-    return {"mean": sum(vals) / len(vals), "ci95": [lo, hi], "n_seeds": len(vals)}
-
-
-def summarize(per_seed: list[dict[str, dict[str, int]]], *, reference: str = RATIO, n_boot: int = 10000,
-              seed: int = 0) -> dict:
-    """Across-seed summary of one token set.
-
-    Args:
-        per_seed: one ``{criterion: counts}`` dict per seed (output of :func:`classify`).
-        reference: the criterion the differences are taken against (the ratio).
-
-    Returns ``{"criteria": {c: {rate: {mean, ci95, n_seeds, pooled}, "counts": totals}},
-    "diff_vs_<reference>": {c: {rate: {mean, ci95, n_seeds}}}}``.
-    """
-    crits = list(per_seed[0]) if per_seed else []
-    out: dict = {"criteria": {}, f"diff_vs_{reference}": {}}
-    for c in crits:
-        tot = {k: sum(s[c][k] for s in per_seed) for k in COUNT_KEYS}
-        entry = {"counts": tot}
-        for r in RATES:
-            vals = [x for x in (rate(s[c], r) for s in per_seed) if x is not None]
-            entry[r] = _stat(vals, n_boot, seed)
-            entry[r]["pooled"] = rate(tot, r)
-        out["criteria"][c] = entry
-    if reference in crits:
-        for c in crits:
-            if c == reference:
-                continue
-            d = {}
-            for r in RATES:
-                diffs = []
-                for s in per_seed:
-                    a, b = rate(s[c], r), rate(s[reference], r)
-                    if a is not None and b is not None:
-                        diffs.append(a - b)
-                d[r] = _stat(diffs, n_boot, seed)
-            out[f"diff_vs_{reference}"][c] = d
-    return out
 
 
 def fmt_pct(x: float | None, digits: int = 1) -> str:

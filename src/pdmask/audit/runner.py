@@ -4,42 +4,66 @@ Per seed, on one batch sampled by the rollout engine:
 
 1. per-token statistics at theta (``D``, ``log r``, every ``Ddot``) and the first-order
    entropy change ``Hdot``;
-2. the batch step -> ``dD`` on every token; classification on O and on the
-   disagreement sets (:mod:`.rates`);
-3. the logit-space isolated step on every token of O;
-4. the parameter-space isolated step on a seeded uniform sample of O plus a sample of
-   the headline criterion's disagreement tokens;
+2. the batch step -> ``dD`` on every token; the out-of-region set O and the
+   disagreement sets;
+3. the logit-space step on every token of O;
+4. the per-token instruments (:data:`.config.INSTRUMENTS`) on a seeded uniform sample of
+   O plus the headline criterion's disagreement tokens: the step-free inner products
+   (:mod:`.instruments`), the own effect inside the batch (:mod:`.loo`), the isolated
+   parameter steps (:mod:`.steps`);
 5. estimator fidelity on the response tokens and on O (:mod:`.fidelity`).
 
-The model's weights are identical before and after (every step is undone), so every
-seed audits the same checkpoint.
+Everything per token lands in the seed's records (one row per token of O); every rate
+table is computed from the records (:mod:`.tables`). The model's weights are identical
+before and after (every step is undone or made on a copy), so every seed audits the
+same checkpoint.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from .config import AuditConfig
 from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, out_of_region, outward, predictive_name
 from .fidelity import fidelity_counts, summarize_fidelity
-from .rates import _stat, classify, classify_seed, disagreement_set, summarize
-from .steps import Forward, batch_step, isolated_param_changes, logit_step_changes, rollout_stats
+from .steps import Forward, batch_step, copy_in, isolated_param_changes, logit_step_changes, rollout_stats
+
+F64 = torch.float64
 
 
 @dataclass
 class SeedResult:
-    """Everything measured on one seed. ``counts`` are Python ints; ``tokens`` holds
-    per-token float64/int64 arrays of the out-of-region tokens (for plots and the raw dump)."""
+    """Everything measured on one seed. ``tokens``: the per-token records of O (numpy
+    arrays, the schema of docs/audit.md); ``entropy`` / ``fidelity``: per-seed sums."""
 
     seed: int
     info: dict
-    counts: dict  # step kind -> set -> criterion -> counts
+    tokens: dict
     entropy: dict  # criterion -> {"kept": [sum, n, n_pos], "masked": [...]}
     fidelity: dict
-    tokens: dict = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict:
+        """This seed's counts ``{kind: {set: {criterion: {count: int}}}}`` (from the records)."""
+        from .tables import KINDS, counts, token_sets
+
+        headline = predictive_name(self.info.get("headline_estimator", "exact"))
+        rec, seeds, out = self.tokens, np.array([self.seed]), {}
+        for kind, (col, _, _) in KINDS.items():
+            if col not in rec:
+                continue
+            out[kind] = {}
+            for sname, S in token_sets(rec, kind, headline).items():
+                crit = [c for c in CRITERIA if f"c_{c}" in rec] if sname == "out_of_region" \
+                    else [RATIO, sname.split(":", 1)[1]]
+                cnt = counts(rec, rec[col], S, crit, seeds, self.info.get("tie_tol", 0.0))
+                out[kind][sname] = {c: {k: int(v[0]) for k, v in d.items()} for c, d in cnt.items()}
+        return out
 
 
 def _broadcast(advantages: torch.Tensor, shape) -> torch.Tensor:
@@ -53,19 +77,38 @@ def _broadcast(advantages: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _sample(mask_flat: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to n indices of the True entries of a flat bool mask, uniformly without replacement."""
+    """Up to n indices of the True entries of a flat bool mask, uniformly without
+    replacement (n < 0: all of them)."""
     idx = mask_flat.nonzero().squeeze(1)
-    if idx.numel() <= n:
+    if n < 0 or idx.numel() <= n:
         return idx
     return idx[torch.randperm(idx.numel(), generator=gen)[:n]].sort().values
 
 
+class Probe:
+    """What the per-token instruments share across seeds: the float64 copy of the policy
+    and the optimizer's preconditioner (both depend only on the checkpoint)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: AuditConfig, optimizer_state: dict | None):
+        from .instruments import optimizer_preconditioner
+        from .steps import trainable
+
+        self.model64 = copy_in(model, F64)
+        self.model64.eval()
+        self.has_state = optimizer_state is not None
+        self.P = None
+        if "precond" in cfg.instruments and self.has_state:
+            self.P = optimizer_preconditioner(trainable(self.model64), cfg, optimizer_state)
+
+
 def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor, cfg: AuditConfig,
-                *, seed: int = 0, info: dict | None = None, optimizer_state: dict | None = None) -> SeedResult:
+                *, seed: int = 0, info: dict | None = None, optimizer_state: dict | None = None,
+                probe: Probe | None = None) -> SeedResult:
     """Audit one rollout batch (``rb``: a :class:`pdmask.engine.base.RolloutBatch` with ``logits``).
 
     ``advantages``: (B,) or (B, T), as the trainer computes them. ``optimizer_state``:
-    start the batch step's optimizer from this state (see :func:`.steps.batch_step`).
+    start the batch steps' optimizer from this state (see :func:`.steps.batch_step`) and
+    precondition with it. ``probe``: a :class:`Probe` shared across seeds (made here if None).
     """
     if rb.logits is None:
         raise ValueError("rb: the rollout batch has no engine logits; generate with return_logits=True "
@@ -74,6 +117,8 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     A = _broadcast(advantages, valid.shape).float()
     A = torch.where(valid, A, torch.zeros_like(A))  # (B, T)
     T, div = cfg.temperature, cfg.divergence
+    clock: dict[str, float] = {}
+    t0 = time.perf_counter()
 
     # 1. statistics at theta, the batch step, dD on every token
     logits0, out, logits1 = batch_step(model, forward, rb, A, cfg, optimizer_state=optimizer_state)
@@ -86,14 +131,15 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     del logits1
     region = out_of_region(D0, A, valid, delta_low=cfg.delta_low, delta_high=cfg.delta_high)  # (B, T) O
     values = criterion_values(st, cfg.family)  # criterion -> (B, T)
-    counts = {"batch": classify_seed(dD, A, values, region, tie_tol=cfg.tie_tol)}
+    clock["batch"] = time.perf_counter() - t0
 
     # 2. entropy side-effect of each criterion's mask (first order, per unit logit step)
     hdot = entropy_ddot(logits0.double(), rb.response_ids, temperature=T)  # (B, T)
     active = valid & (A != 0)
     ent = _entropy_counts(A, hdot, values, region, active)
 
-    # 3. logit-space isolated step on every token of O (n tokens)
+    # 3. logit-space step on every token of O (n tokens)
+    t1 = time.perf_counter()
     bt = region.nonzero()  # (n, 2)
     sel = (bt[:, 0], bt[:, 1])
     vals_o = {c: v[sel] for c, v in values.items()}  # criterion -> (n,)
@@ -101,24 +147,75 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     dD_logit = logit_step_changes(
         logits0[sel], rb.response_ids[sel], rb.sampled_logprob[sel], rb.topk_ids[sel], rb.topk_logprobs[sel],
         rb.logits[sel], A_o, divergence=div, step=cfg.logit_step, temperature=T)  # (n,)
-    counts["logit"] = classify_seed(dD_logit, A_o, vals_o, torch.ones_like(A_o, dtype=torch.bool), tie_tol=0.0)
+    clock["logit"] = time.perf_counter() - t1
 
-    # 4. parameter-space isolated steps: uniform sample of O + sample of disagreement tokens
-    iso_counts, iso_tokens, uni, dis = _isolated_steps(model, forward, rb, A, bt, vals_o, A_o, cfg, seed)
-    counts.update(iso_counts)
+    # 4. per-token instruments on a uniform sample of O + the headline disagreement tokens
+    n = bt.shape[0]
+    headline = predictive_name(cfg.estimator)
+    gen = torch.Generator().manual_seed(int(seed))
+    dis_o = outward(vals_o[RATIO], A_o) != outward(vals_o[headline], A_o)  # (n,)
+    uni = _sample(torch.ones(n, dtype=torch.bool), cfg.sample_tokens, gen)
+    dis = _sample(dis_o, cfg.disagreement_tokens, gen)
+    chosen = torch.unique(torch.cat([uni, dis]))  # indices into O, each measured once
+    inst = _instruments(model, forward, rb, A, bt[chosen], cfg, optimizer_state, probe, clock)
 
     # 5. estimator fidelity on the response tokens and on O
+    t4 = time.perf_counter()
     fid = fidelity_counts(logits0, rb.response_ids, rb.logits, valid, {"response": active, "out_of_region": region},
                           family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
+    clock["fidelity"] = time.perf_counter() - t4
 
-    n = bt.shape[0]
-    tokens = {"b": bt[:, 0], "t": bt[:, 1], "A": A_o.double(), "D": D0[sel].double(),
-              "dD_batch": dD[sel].double(), "dD_logit": dD_logit.double(), **iso_tokens,
-              "isolated_uniform": torch.zeros(n, dtype=torch.bool).index_fill_(0, uni, True),
-              "isolated_disagreement": torch.zeros(n, dtype=torch.bool).index_fill_(0, dis, True),
-              "hdot": hdot[sel].double(), **{f"c:{c}": v.double() for c, v in vals_o.items()}}
-    base = _seed_info(counts, values, out.metrics, valid, active, region, D0, dD, uni, dis)
-    return SeedResult(int(seed), {**base, **(info or {})}, counts, ent, fid, tokens)
+    def flag(ix):
+        return torch.zeros(n, dtype=torch.bool).index_fill_(0, ix, True).numpy()
+
+    def spread(x):  # (len(chosen),) -> (n,) with NaN where not measured
+        full = torch.full((n,), float("nan"), dtype=F64)
+        full[chosen] = x.to(F64)
+        return full.numpy()
+
+    delta = torch.where(A_o > 0, torch.tensor(cfg.delta_high, dtype=F64), torch.tensor(cfg.delta_low, dtype=F64))
+    tokens = {"seed": np.full(n, int(seed), dtype=np.int64), "b": bt[:, 0].numpy(), "t": bt[:, 1].numpy(),
+              "A": A_o.numpy(), "D": D0[sel].double().numpy(), "delta": delta.numpy(),
+              **{f"c_{c}": v.double().numpy() for c, v in vals_o.items()}, "hdot": hdot[sel].double().numpy(),
+              "in_sample": flag(uni), "in_disagreement": dis_o.numpy(), "measured": flag(chosen),
+              "dD_batch": dD[sel].double().numpy(), "dD_logit": dD_logit.double().numpy(),
+              **{k: spread(v) for k, v in inst.items()}}
+    base = _seed_info(values, A, out.metrics, valid, active, region, D0, dD, uni, dis, chosen)
+    base.update(headline_estimator=cfg.estimator, tie_tol=cfg.tie_tol,
+                time_s={k: round(v, 3) for k, v in clock.items()},
+                time_total_s=round(time.perf_counter() - t0, 3))
+    return SeedResult(int(seed), {**base, **(info or {})}, tokens, ent, fid)
+
+
+def _instruments(model, forward, rb, A, bt_c: torch.Tensor, cfg: AuditConfig, optimizer_state, probe, clock) -> dict:
+    """The per-token instruments on the chosen tokens ``bt_c`` (m, 2): {column: (m,)}."""
+    from .instruments import inner_products
+    from .loo import BatchStep
+
+    out: dict = {}
+    if bt_c.shape[0] == 0 or not cfg.instruments:
+        return out
+    A64 = A.to(F64)
+    if "param" in cfg.instruments or "precond" in cfg.instruments:
+        t = time.perf_counter()
+        probe = probe or Probe(model, cfg, optimizer_state)
+        P = probe.P if "precond" in cfg.instruments else None
+        ip = inner_products(probe.model64, forward, rb, A64, bt_c, cfg, P=P)
+        out.update({k: v for k, v in ip.items() if k.startswith("pip") or "param" in cfg.instruments})
+        clock["param"] = time.perf_counter() - t
+    if "own" in cfg.instruments:
+        t = time.perf_counter()
+        bs = BatchStep(model, forward, rb, A64, cfg, optimizer_state=optimizer_state)
+        out["own"] = bs.own_effect(bt_c)
+        out["dD_batch64"] = (bs.after_full - bs.D0[bt_c[:, 0], bt_c[:, 1]]).detach()
+        clock["own"] = time.perf_counter() - t
+    for which, col in (("isolated", "dD_isolated"), ("isolated-head", "dD_isolated_head")):
+        if which in cfg.instruments:
+            t = time.perf_counter()
+            out[col] = isolated_param_changes(model, forward, rb, A, bt_c, cfg,
+                                              params="all" if which == "isolated" else "head")
+            clock[which] = time.perf_counter() - t
+    return out
 
 
 def _entropy_counts(A: torch.Tensor, hdot: torch.Tensor, values: dict, region: torch.Tensor,
@@ -137,59 +234,18 @@ def _entropy_counts(A: torch.Tensor, hdot: torch.Tensor, values: dict, region: t
     return ent
 
 
-def _isolated_steps(model, forward: Forward, rb, A: torch.Tensor, bt: torch.Tensor, vals_o: dict,
-                    A_o: torch.Tensor, cfg: AuditConfig, seed: int):
-    """The parameter-space isolated steps on a seeded sample of O's ``n`` tokens (``bt``
-    (n, 2), their criterion values ``vals_o`` and advantages ``A_o``): a uniform sample
-    and a sample of the headline criterion's disagreement set, each token stepped once.
-
-    Returns ``(counts, tokens, uni, dis)``: a count table per kind of step and one for its
-    disagreement sample, the per-token ``dD`` of each kind ((n,), NaN where not sampled),
-    and the indices into O of the two samples."""
-    primary = predictive_name(cfg.estimator)
-    ones = torch.ones_like(A_o, dtype=torch.bool)  # (n,)
-    gen = torch.Generator().manual_seed(int(seed))
-    dis_o = disagreement_set(vals_o, A_o, ones, primary)
-    uni = _sample(ones, cfg.isolated_tokens, gen)
-    dis = _sample(dis_o, cfg.isolated_disagreement, gen)
-    chosen = torch.unique(torch.cat([uni, dis]))  # each sampled token stepped once
-    pos = {int(i): j for j, i in enumerate(chosen.tolist())}
-    in_uni = torch.tensor([pos[int(i)] for i in uni.tolist()], dtype=torch.long)
-    in_dis = torch.tensor([pos[int(i)] for i in dis.tolist()], dtype=torch.long)
-    A_c = A_o[chosen]
-    v_c = {c: v[chosen] for c, v in vals_o.items()}
-    counts, tokens = {}, {}
-    for which in cfg.isolated_params:
-        kind = isolated_kind(which)
-        dD_iso_c = isolated_param_changes(model, forward, rb, A, bt[chosen], cfg, params=which)
-        counts[kind] = classify_seed(
-            dD_iso_c[in_uni], A_c[in_uni], {c: v[in_uni] for c, v in v_c.items()},
-            torch.ones(in_uni.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)
-        counts[f"{kind}_disagreement"] = {f"disagreement:{primary}": classify(
-            dD_iso_c[in_dis], A_c[in_dis], {RATIO: v_c[RATIO][in_dis], primary: v_c[primary][in_dis]},
-            torch.ones(in_dis.numel(), dtype=torch.bool), tie_tol=cfg.tie_tol)}
-        full = torch.full((bt.shape[0],), float("nan"), dtype=torch.float64)
-        full[chosen] = dD_iso_c  # NaN = not sampled for the isolated step (documented in the dump)
-        tokens[f"dD_{kind}"] = full
-    return counts, tokens, uni, dis
-
-
-def _seed_info(counts: dict, values: dict, metrics: dict, valid, active, region, D0, dD, uni, dis) -> dict:
+def _seed_info(values: dict, A, metrics: dict, valid, active, region, D0, dD, uni, dis, chosen) -> dict:
     """The seed's sizes (tokens, O, disagreement sets, samples) and headline numbers."""
-    n_dis = {p: counts["batch"][f"disagreement:{p}"][RATIO]["n"] for p in values if p != RATIO}
+    n_dis = {p: int((region & (outward(values[RATIO], A) != outward(values[p], A))).sum())
+             for p in values if p != RATIO}
     return {"n_response_tokens": int(valid.sum()), "n_active_tokens": int(active.sum()),
             "n_out_of_region": int(region.sum()), "n_disagreement": n_dis,
-            "n_isolated_uniform": int(uni.numel()), "n_isolated_disagreement": int(dis.numel()),
+            "n_sample": int(uni.numel()), "n_disagreement_measured": int(dis.numel()), "n_measured": int(chosen.numel()),
             "n_sequences": int(valid.shape[0]), "loss": float(metrics["loss"]),
             "divergence_mean": float(torch.where(valid, D0, 0).sum() / valid.sum().clamp(min=1)),
             "divergence_max": float(torch.where(valid, D0, 0).max()) if valid.any() else 0.0,
             "dD_batch_abs_mean_O": float(dD[region].abs().mean()) if region.any() else 0.0,
             "step_kept_frac": float(metrics["kept_frac"])}
-
-
-def isolated_kind(which: str) -> str:
-    """Name of the count table of an isolated step: ``isolated`` (all parameters), ``isolated_head``."""
-    return "isolated" if which == "all" else f"isolated_{which}"
 
 
 SampleFn = Callable[[int], tuple]  # seed -> (rollout batch, advantages (B,) or (B, T), info dict)
@@ -201,63 +257,88 @@ def run_audit(model: torch.nn.Module, forward: Forward, sample: SampleFn, seeds:
     """Audit every seed (``sample(seed)`` draws the rollout batch), with a rich progress bar."""
     seeds = list(seeds)
     results: list[SeedResult] = []
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        from rich.progress import TimeRemainingColumn
-        cols = (TextColumn("[bold]audit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
-        with Progress(*cols, transient=False, console=console) as bar:
-            task = bar.add_task("audit", total=len(seeds), note="")
-            for s in seeds:
-                r = _one(model, forward, sample, s, cfg, optimizer_state)
-                results.append(r)
-                if on_seed:
-                    on_seed(r)
-                bar.update(task, advance=1, note=f"seed {s}: |O|={r.info['n_out_of_region']} "
-                                                 f"dis={r.info['n_disagreement'].get(predictive_name(cfg.estimator))}")
-    else:
+    probe = Probe(model, cfg, optimizer_state) if {"param", "precond"} & set(cfg.instruments) else None
+    headline = predictive_name(cfg.estimator)
+
+    def one(s):
+        t0 = time.perf_counter()
+        rb, adv, info = sample(s)
+        info = {**info, "time_rollout_s": round(time.perf_counter() - t0, 3)}
+        r = audit_batch(model, forward, rb, adv, cfg, seed=s, info=info, optimizer_state=optimizer_state, probe=probe)
+        results.append(r)
+        if on_seed:
+            on_seed(r)
+        return r
+
+    if not progress:
         for s in seeds:
-            r = _one(model, forward, sample, s, cfg, optimizer_state)
-            results.append(r)
-            if on_seed:
-                on_seed(r)
+            one(s)
+        return results
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TimeRemainingColumn
+    cols = (TextColumn("[bold]audit"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    with Progress(*cols, transient=False, console=console) as bar:
+        task = bar.add_task("audit", total=len(seeds), note="")
+        for s in seeds:
+            r = one(s)
+            bar.update(task, advance=1, note=f"seed {s}: |O|={r.info['n_out_of_region']} "
+                                             f"dis={r.info['n_disagreement'].get(headline)}")
     return results
 
 
-def _one(model, forward, sample, s, cfg, optimizer_state):
-    rb, adv, info = sample(s)
-    return audit_batch(model, forward, rb, adv, cfg, seed=s, info=info, optimizer_state=optimizer_state)
+def concat_tokens(results: list[SeedResult]) -> dict[str, np.ndarray]:
+    """The records of all seeds, one array per column (columns missing in a seed: NaN)."""
+    if not results:
+        return {}
+    keys = list(dict.fromkeys(k for r in results for k in r.tokens))
+    out = {}
+    for k in keys:
+        parts = []
+        for r in results:
+            n = r.tokens["A"].shape[0]
+            parts.append(r.tokens[k] if k in r.tokens else np.full(n, np.nan))
+        out[k] = np.concatenate(parts)
+    return out
 
 
 def summarize_entropy(results: list[SeedResult], *, n_boot: int, seed: int) -> dict:
-    """Per criterion: mean ``A * Hdot`` per token over kept / masked tokens (per-seed means,
-    averaged, with bootstrap interval), the share of them with ``A Hdot > 0`` (pooled), and
-    the first-order entropy drift of the kept set per active token (``sum_kept A Hdot / n_active``)."""
+    """Per criterion, pooled over seeds with the cluster bootstrap: mean ``A * Hdot`` per
+    token over the kept / masked tokens, the share of them with ``A Hdot > 0``, and the
+    first-order entropy drift of the kept set per active token (``sum_kept A Hdot / n_active``)."""
+    from ..significance import pooled_ratio
+
     out = {}
+    n_active = [r.info["n_active_tokens"] for r in results]
     for c in results[0].entropy:
         e = {}
         for part in ("kept", "masked"):
             rows = [r.entropy[c][part] for r in results]
-            e[part] = _stat([s / n for s, n, _ in rows if n > 0], n_boot, seed)
-            tot_n = sum(n for _, n, _ in rows)
-            e[part]["pooled"] = sum(s for s, _, _ in rows) / tot_n if tot_n else None
-            e[part]["share_increasing"] = sum(p for _, _, p in rows) / tot_n if tot_n else None
-            e[part]["n_tokens"] = tot_n
-        drift = [r.entropy[c]["kept"][0] / r.info["n_active_tokens"] for r in results if r.info["n_active_tokens"]]
-        e["drift_per_token"] = _stat(drift, n_boot, seed)
+            e[part] = pooled_ratio([s for s, _, _ in rows], [n for _, n, _ in rows], n_boot=n_boot, seed=seed).to_dict()
+            e[part]["share_increasing"] = pooled_ratio([p for _, _, p in rows], [n for _, n, _ in rows],
+                                                       n_boot=n_boot, seed=seed).to_dict()
+        e["drift_per_token"] = pooled_ratio([r.entropy[c]["kept"][0] for r in results], n_active,
+                                            n_boot=n_boot, seed=seed).to_dict()
         out[c] = e
     return out
 
 
 def summarize_all(results: list[SeedResult], cfg: AuditConfig) -> dict:
-    """Across-seed summary of every count table, the entropy side-effect and the fidelity sweep."""
+    """Every table of the report: the rate tables from the per-token records
+    (:func:`.tables.tables`), the entropy side-effect, the fidelity sweep, per-seed info."""
+    from .tables import tables
+
     if not results:
         raise ValueError("results: no seeds to summarize")
     nb, bs = cfg.bootstrap, cfg.bootstrap_seed
-    summary = {}
-    for kind in results[0].counts:
-        summary[kind] = {sname: summarize([r.counts[kind][sname] for r in results], n_boot=nb, seed=bs)
-                         for sname in results[0].counts[kind]}
-    return {"rates": summary, "entropy": summarize_entropy(results, n_boot=nb, seed=bs),
-            "fidelity": summarize_fidelity([r.fidelity for r in results], n_boot=nb, seed=bs),
+    rec = concat_tokens(results)
+    t = tables(rec, [r.seed for r in results], headline=predictive_name(cfg.estimator), tie_tol=cfg.tie_tol,
+               n_boot=nb, boot_seed=bs)
+    if cfg.delta_sweep:
+        from .tables import delta_sweep
+        t["delta_sweep"] = delta_sweep(rec, [r.seed for r in results], cfg.delta_sweep,
+                                       headline=predictive_name(cfg.estimator), tie_tol=cfg.tie_tol,
+                                       n_boot=min(nb, 2000), boot_seed=bs)
+    return {**t, "entropy": summarize_entropy(results, n_boot=nb, seed=bs),
+            "fidelity": summarize_fidelity([r.fidelity for r in results], n_boot=min(nb, 2000), seed=bs),
             "per_seed": [{"seed": r.seed, **r.info} for r in results]}

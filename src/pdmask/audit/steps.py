@@ -35,6 +35,29 @@ from .config import AuditConfig
 Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
+def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    var = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(var + self.variance_epsilon))
+
+
+def copy_in(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` in ``dtype`` that really computes in it.
+
+    transformers' RMSNorm (Llama, Qwen3, Mistral, ...) casts its input to float32 and back,
+    so a float64 copy would still round every normalised hidden state to float32: the
+    finite differences and leave-one-out steps of the audit, which resolve changes far
+    below float32 rounding, would read that rounding. In a float64 copy every module
+    with an RMSNorm's shape (``weight``, ``variance_epsilon``, a float32 upcast) computes
+    in float64 instead; the function is the same, the precision is the copy's."""
+    m = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        import types
+        for mod in m.modules():
+            if type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon") and hasattr(mod, "weight"):
+                mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)
+    return m
+
+
 def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -55,6 +78,20 @@ def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: fl
     return token_stats(
         logits, rb.response_ids[rows], rb.sampled_logprob[rows], rb.topk_ids[rows], rb.topk_logprobs[rows],
         response_mask=rb.response_mask[rows], rollout_logits=rb.logits[rows], temperature=temperature,
+    )
+
+
+def step_loss(logits: torch.Tensor, rb, advantages: torch.Tensor, cfg: AuditConfig) -> PolicyLossOutput:
+    """The batch step's loss: ``policy_loss(mode=cfg.step_mode)`` with the audit's settings.
+
+    Its ``token_loss`` (B, T) holds each token's term before aggregation; every term
+    depends on its own position only (the step modes are per-token), so a slice of rows
+    gives the same terms as the whole batch."""
+    return policy_loss(
+        logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
+        rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
+        delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
+        loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
     )
 
 
@@ -82,12 +119,7 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
             g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     try:
         logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
-        out = policy_loss(
-            logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
-            rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
-            delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
-            loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
-        )
+        out = step_loss(logits, rb, advantages, cfg)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         if cfg.grad_clip > 0:
@@ -134,7 +166,7 @@ def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advanta
     if tokens.shape[0] == 0:
         return dD
     dtype = getattr(torch, cfg.isolated_dtype)
-    m = copy.deepcopy(model).to(dtype)
+    m = copy_in(model, dtype)
     params = step_params(m, params)
     saved = [p.detach().clone() for p in params]
     div, T = cfg.divergence, cfg.temperature

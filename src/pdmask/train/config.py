@@ -39,6 +39,8 @@ class TrainConfig:
     num_heads: int = _f(4, "attention heads (key/value heads equal)")
     intermediate_size: int = _f(384, "MLP inner width")
     max_positions: int = _f(160, "maximum sequence length (prompt + response)")
+    tie_embeddings: bool = _f(True, "built-in model: the output layer (LM head) shares the input embedding's "
+                                    "weights; false: an untied head (with model_path the checkpoint decides)")
     # ---------------------------------------------------------------- task
     task: str = _f("arithmetic", "arithmetic (built-in, generated from task_seed) or jsonl (train_file/eval_file)")
     task_seed: int = _f(1234, "seed of the generated problems and of the jsonl eval split")
@@ -196,6 +198,9 @@ class TrainConfig:
             raise ValueError(f"batch_params: the model has num_layers={self.num_layers} blocks, got {self.batch_params}")
         if self.mode.startswith("pdm-full") and not self.full_logits:
             raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
+        if self.model_path and not self.tie_embeddings:
+            raise ValueError("tie_embeddings: applies to the built-in model only; with model_path set the "
+                             "checkpoint's own config.json (tie_word_embeddings) decides")
         if self.task == "jsonl" and not self.train_file:
             raise ValueError("train_file: required when task=jsonl")
         _validate_corrections(self)

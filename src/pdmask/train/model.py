@@ -22,7 +22,7 @@ def model_config(cfg, vocab_size: int, *, pad_id: int, eos_id: int):
     common = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                   num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_positions,
-                  tie_word_embeddings=True, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
+                  tie_word_embeddings=cfg.tie_embeddings, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=eos_id)
     if cfg.arch == "llama":
         from transformers import LlamaConfig
 

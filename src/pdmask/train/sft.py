@@ -57,6 +57,8 @@ def sft_key(cfg) -> str:
     d = {k: getattr(cfg, k) for k in _KEY_FIELDS}
     d["train_file_sha"], d["eval_file_sha"] = _file_digest(cfg.train_file), _file_digest(cfg.eval_file)
     d["version"], d["task_version"] = SFT_VERSION, TASK_VERSION
+    if not cfg.tie_embeddings:  # only when untied, so the keys of existing (tied) bases stay valid
+        d["tie_embeddings"] = False
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

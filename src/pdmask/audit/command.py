@@ -1,0 +1,242 @@
+"""What ``pdmask audit`` does (:func:`run_cli`): settings, seeds, workers, the report.
+
+Resumable per seed: each finished seed is written to ``OUT/seeds/seed-NNNNNN.pt``
+(atomically) next to ``OUT/seeds/settings.json``; a rerun with the same settings skips
+the seeds already there (``fresh=True`` starts over), a rerun with other settings is
+refused. ``jobs = N`` runs the seeds in N worker processes (``threads`` torch threads
+each) and writes the report when all are done; each worker logs to
+``OUT/seeds/worker-<i>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: trainer settings that do not change a seed's numbers (left out of the resume fingerprint)
+_NEUTRAL_TRAIN_KEYS = ("progress", "threads", "out_dir", "name", "tensorboard", "eval_every", "checkpoint_every",
+                       "keep_checkpoints", "steps")
+#: audit settings that change only the summary, not a seed's records
+_NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
+
+
+def _configs(a: dict):
+    """(trainer config, audit config) from the command's arguments; every check made here."""
+    from ..train.checkpoint import is_run_dir
+    from ..train.config import load_config
+    from ..train.update import ADAMW_BETAS
+    from .config import AuditConfig
+
+    if a["seeds"] < 1:
+        raise ValueError(f"seeds: must be >= 1, got {a['seeds']}")
+    if a["jobs"] < 1:
+        raise ValueError(f"jobs: must be >= 1, got {a['jobs']}")
+    over = list(a["set_"])
+    for key, val in (("engine_precision", a["precision"]), ("temperature", a["temperature"]), ("top_k", a["top_k"])):
+        if val is not None:
+            over.append(f"{key}={val}")
+    over.append(f"progress={'true' if a['progress'] else 'false'}")
+    config = a["config"]
+    if config is None and a["model"] and is_run_dir(a["model"]):
+        config = Path(a["model"]) / "config.yaml"  # the run's own model/task/engine/loss settings
+    tcfg = load_config(config, over)
+    fam_default = 0.05 if a["divergence"].endswith("kl") else 0.15
+    base = fam_default if a["delta"] is None else a["delta"]
+    cfg = AuditConfig(
+        divergence=a["divergence"], delta_low=base if a["delta_low"] is None else a["delta_low"],
+        delta_high=base if a["delta_high"] is None else a["delta_high"], estimator=a["estimator"],
+        step_mode=a["step_mode"], optimizer=a["optimizer"], lr=tcfg.lr if a["lr"] is None else a["lr"],
+        weight_decay=tcfg.weight_decay, betas=ADAMW_BETAS, grad_clip=tcfg.grad_clip, is_cap=tcfg.is_cap,
+        loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low, eps_high=tcfg.eps_high, temperature=tcfg.temperature,
+        sample_tokens=a["sample_tokens"], disagreement_tokens=a["disagreement_tokens"],
+        instruments=tuple(x.strip() for x in a["instruments"].split(",") if x.strip()),
+        isolated_step=a["isolated_step"], logit_step=a["logit_step"], tie_tol=a["tie_tol"], bootstrap=a["bootstrap"],
+        delta_sweep=_floats("delta_sweep", a.get("delta_sweep", "")),
+        fidelity_ks=_ints("fidelity_ks", a.get("fidelity_ks", "1,2,5,10,20,50,100")),
+    )
+    return tcfg, cfg
+
+
+def _floats(name: str, text: str) -> tuple:
+    try:
+        return tuple(float(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(name: str, text: str) -> tuple:
+    vals = _floats(name, text)
+    if not vals or any(not v.is_integer() or v < 1 for v in vals):
+        raise ValueError(f"{name}: expected comma-separated positive integers, got {text!r}")
+    return tuple(int(v) for v in vals)
+
+
+def _fingerprint(a: dict, tcfg, cfg) -> dict:
+    t = {k: v for k, v in tcfg.to_dict().items() if k not in _NEUTRAL_TRAIN_KEYS}
+    c = {k: v for k, v in cfg.to_dict().items() if k not in _NEUTRAL_AUDIT_KEYS}
+    return json.loads(json.dumps({"audit": c, "trainer": t, "model": str(a["model"]), "lag": a["lag"]}, default=str))
+
+
+def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
+    d = Path(out) / "seeds"
+    if fresh and d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / "settings.json"
+    if f.exists():
+        old = _with_new_defaults(json.loads(f.read_text()), fp)
+        if old == fp:
+            f.write_text(json.dumps(fp, indent=1))  # now in the current code's terms
+        else:
+            diff = [f"{sec}.{k}" for sec in fp for k in (fp[sec] if isinstance(fp[sec], dict) else [None])
+                    if (old.get(sec, {}).get(k) if k else old.get(sec)) != (fp[sec].get(k) if k else fp[sec])]
+            raise ValueError(f"out: {str(out)!r} holds seeds audited with other settings ({', '.join(diff[:5])} "
+                             "differ); use another --out or pass --fresh")
+    else:
+        f.write_text(json.dumps(fp, indent=1))
+    return d
+
+
+def _with_new_defaults(old: dict, fp: dict) -> dict:
+    """``old`` with the trainer settings it does not know (fields added to the trainer
+    config since its seeds were written) filled in at their defaults: a seed written
+    before a new field existed was computed as with the field's default. A new field at a
+    non-default value stays a difference."""
+    from dataclasses import fields
+
+    from ..train.config import TrainConfig
+
+    defaults = json.loads(json.dumps({x.name: getattr(TrainConfig(), x.name) for x in fields(TrainConfig)},
+                                     default=str))
+    t = dict(old.get("trainer", {}))
+    for k in fp.get("trainer", {}):
+        if k not in t and k in defaults:
+            t[k] = defaults[k]
+    return {**old, "trainer": t}
+
+
+def seed_path(d: Path, seed: int) -> Path:
+    return d / f"seed-{seed:06d}.pt"
+
+
+def save_seed(d: Path, r) -> None:
+    import torch
+
+    tmp = d / f".seed-{r.seed:06d}.tmp"
+    torch.save({"seed": r.seed, "info": r.info, "tokens": r.tokens, "entropy": r.entropy, "fidelity": r.fidelity}, tmp)
+    tmp.rename(seed_path(d, r.seed))
+
+
+def load_seed(path: Path):
+    import torch
+
+    from .runner import SeedResult
+
+    x = torch.load(path, weights_only=False)
+    return SeedResult(x["seed"], x["info"], x["tokens"], x["entropy"], x["fidelity"])
+
+
+def _audit_seeds(a: dict, tcfg, cfg, d: Path, todo: list[int], console, progress: bool) -> dict:
+    """Build the source and audit ``todo`` in this process, saving each seed; returns the source info."""
+    from .runner import run_audit
+    from .source import build_source
+
+    src = build_source(tcfg, model=a["model"], lag=a["lag"], console=console)
+    state = src.optimizer_state if cfg.optimizer != "sgd" else None
+    if todo:
+        run_audit(src.model, src.forward, src.sample, todo, cfg, progress=progress, optimizer_state=state,
+                  console=console, on_seed=lambda r: save_seed(d, r))
+    info = dict(src.info)
+    info["optimizer_state"] = (src.info.get("optimizer_state", "from the lag steps" if a["lag"] else "fresh")
+                               if state is not None else "fresh")
+    (d / "source.json").write_text(json.dumps(info, indent=1, default=str))
+    return info
+
+
+def ensure_base(a: dict, tcfg, threads: int, console) -> None:
+    """Train (or find) the SFT base once in this process, with ``threads`` threads, before
+    parallel workers start (each would otherwise train the same base)."""
+    from ..train.checkpoint import is_run_dir
+    from ..train.config import replace
+    from ..train.sft import ensure_sft_checkpoint
+
+    if not a["model"] or is_run_dir(a["model"]):
+        ensure_sft_checkpoint(replace(tcfg, threads=max(threads, tcfg.threads)), console=console)
+
+
+def _worker(args_path: str, shard: int, n_shards: int) -> None:
+    """One of ``--jobs`` processes: the seeds ``todo[shard::n_shards]``."""
+    from rich.console import Console
+
+    a = json.loads(Path(args_path).read_text())
+    a["config"] = Path(a["config"]) if a["config"] else None
+    tcfg, cfg = _configs(a)
+    d = Path(a["out"]) / "seeds"
+    todo = [s for s in a["_todo"][shard::n_shards]]
+    _audit_seeds(a, tcfg, cfg, d, todo, Console(stderr=True), progress=False)
+
+
+def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
+    args = {**a, "out": str(a["out"]), "config": str(a["config"]) if a["config"] else None, "_todo": todo}
+    (d / "worker-args.json").write_text(json.dumps(args, default=str))
+    procs = []
+    for i in range(jobs):
+        log = open(d / f"worker-{i}.log", "w")
+        cmd = [sys.executable, "-c", f"from pdmask.audit.command import _worker; _worker({str(d / 'worker-args.json')!r}, {i}, {jobs})"]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, i))
+    total, done0 = len(todo), lambda: sum(seed_path(d, s).exists() for s in todo)
+    console.print(f"audit: {total} seeds in {jobs} workers (logs: {d}/worker-*.log)", soft_wrap=True)
+    last, shown = -1, 0.0
+    while any(p.poll() is None for p, _, _ in procs):
+        n = done0()
+        if n != last and time.time() - shown >= 30:  # a line at most every 30 s
+            console.print(f"audit: {n}/{total} seeds done", soft_wrap=True)
+            last, shown = n, time.time()
+        time.sleep(2)
+    for p, log, i in procs:
+        log.close()
+        if p.returncode != 0:
+            tail = (d / f"worker-{i}.log").read_text()[-2000:]
+            raise ValueError(f"jobs: worker {i} failed (exit {p.returncode}); the seeds done so far are kept, rerun "
+                             f"to resume. Its log ends with:\n{tail}")
+
+
+def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperature, top_k, lag, divergence,
+            delta, delta_low, delta_high, estimator, step_mode, optimizer, lr, sample_tokens, disagreement_tokens,
+            instruments, isolated_step, logit_step, tie_tol, bootstrap, jobs, fresh, plots, progress,
+            delta_sweep="", fidelity_ks="1,2,5,10,20,50,100") -> dict:
+    a = dict(locals())  # the arguments (first: nothing else is local yet)
+    from rich.console import Console
+
+    from .report import write_report
+    from .runner import summarize_all
+
+    tcfg, cfg = _configs(a)
+    console = Console(stderr=True)
+    t0 = time.time()
+    d = _seed_dir(Path(out), _fingerprint(a, tcfg, cfg), fresh)
+    all_seeds = list(range(seed_offset, seed_offset + seeds))
+    todo = [s for s in all_seeds if not seed_path(d, s).exists()]
+    if len(todo) < len(all_seeds):
+        console.print(f"audit: resuming, {len(all_seeds) - len(todo)} of {len(all_seeds)} seeds already in {d}")
+    if jobs > 1 and len(todo) > 1:
+        ensure_base(a, tcfg, jobs, console)
+        _run_workers(a, d, todo, min(jobs, len(todo)), console)
+        info = json.loads((d / "source.json").read_text())
+    elif todo or not (d / "source.json").exists():
+        info = _audit_seeds(a, tcfg, cfg, d, todo, console, progress)
+    else:
+        info = json.loads((d / "source.json").read_text())
+    results = [load_seed(seed_path(d, s)) for s in all_seeds]
+    summary = summarize_all(results, cfg)
+    run = {"command": "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+           "seeds": f"{seed_offset}..{seed_offset + seeds - 1}", "jobs": jobs, **info,
+           "trainer_config": tcfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
+    doc = write_report(out, results, summary, cfg, run_settings=run, plots=plots, runtime_s=round(time.time() - t0, 1))
+    console.print(f"audit: wrote {Path(out) / 'audit.md'} ({seeds} seeds, {time.time() - t0:.0f} s)")
+    return doc
