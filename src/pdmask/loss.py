@@ -343,6 +343,14 @@ def trust_region_mask(
     return (mb.mask.keep | ~mb.batch.valid).reshape(mb.batch.lead_shape)
 
 
+def _check_loss_args(mode, loss_agg, *, num_tokens, num_seqs, loss_scale_factor, **corrections):
+    """The loss entries' shared checks, before any tensor is read: the aggregation, the
+    normalisers and the corrections (against the mode's surrogate)."""
+    check_choice("loss_agg", loss_agg, LOSS_AGGS)
+    counts = _check_counts(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
+    return counts, check_corrections(**corrections, surrogate=get_mode(mode).surrogate)
+
+
 def policy_loss(
     logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
     response_mask, *, mode: str = "pdm-topk-kl", estimator: str = "exact",
@@ -412,13 +420,11 @@ def policy_loss(
         :class:`PolicyLossOutput` with ``loss`` and ``metrics`` (detached tensors); ``mask``
         is the final keep mask (mode and corrections).
     """
-    check_choice("loss_agg", loss_agg, LOSS_AGGS)
-    counts = _check_counts(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
-    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
-                             is_batch_normalize=is_batch_normalize, rejection=rejection,
-                             rejection_threshold=rejection_threshold,
-                             off_policy_mask_threshold=off_policy_mask_threshold,
-                             surrogate=get_mode(mode).surrogate)
+    counts, spec = _check_loss_args(
+        mode, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor,
+        is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask, is_batch_normalize=is_batch_normalize,
+        rejection=rejection, rejection_threshold=rejection_threshold,
+        off_policy_mask_threshold=off_policy_mask_threshold)
     mb = _mask_batch(
         logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
@@ -463,13 +469,11 @@ def policy_loss_from_hidden(
 
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, sampled_ids, ...)``.
     """
-    check_choice("loss_agg", loss_agg, LOSS_AGGS)
-    counts = _check_counts(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor)
-    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
-                             is_batch_normalize=is_batch_normalize, rejection=rejection,
-                             rejection_threshold=rejection_threshold,
-                             off_policy_mask_threshold=off_policy_mask_threshold,
-                             surrogate=get_mode(mode).surrogate)
+    counts, spec = _check_loss_args(
+        mode, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor,
+        is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask, is_batch_normalize=is_batch_normalize,
+        rejection=rejection, rejection_threshold=rejection_threshold,
+        off_policy_mask_threshold=off_policy_mask_threshold)
     mb = _mask_batch(
         None, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, advantages,
         response_mask, mode=mode, estimator=estimator, delta_low=delta_low, delta_high=delta_high,
