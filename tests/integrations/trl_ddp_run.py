@@ -17,10 +17,11 @@ import trl_helpers as H
 from pdmask.integrations.trl import finish_and_exit
 
 
-def main(outdir: str) -> None:
+def main(outdir: str, *flags: str) -> None:
     out = Path(outdir)
+    extra = {"loss_from_hidden": True} if "hidden" in flags else {}  # test_trl_hidden's DDP run
     tr = H.make_trainer(out, n_prompts=16, mask_mode="pdm-topk-kl", max_steps=2, steps_per_generation=2,
-                        per_device_train_batch_size=4, num_generations=4)
+                        per_device_train_batch_size=4, num_generations=4, **extra)
     before = float(sum(p.detach().double().sum() for p in tr.model.parameters()))
     tr.train()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,4 +43,4 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

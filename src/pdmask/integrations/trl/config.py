@@ -94,6 +94,14 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_chunk_size: int | None = field(
         default=None,
         metadata={"help": "Rows per chunk of the vocabulary reductions (default: 16M elements per chunk)."})
+    loss_from_hidden: bool = field(
+        default=False,
+        metadata={"help": "Compute the loss from the decoder's final hidden states and lm_head.weight "
+                          "(pdmask.policy_loss_from_hidden, chunked over the vocabulary) instead of the (B, T, V) "
+                          "logits. The loss runs inside the model's (wrapped) forward. Refused at trainer init for "
+                          "heads that are more than hidden @ W.T (lm_head bias, PEFT adapter or other replaced head, "
+                          "final_logit_softcapping, logit_scale and other logit scaling) and with MoE router "
+                          "aux loss; with cast_lm_head_to_fp32 the head runs in float32 as TRL's."})
     mask_validate: bool = field(
         default=True,
         metadata={"help": "Check the loss inputs (one host sync per micro-batch)."})

@@ -22,7 +22,9 @@ and ``sum_i pi_i^2``, which that head does not produce, so the loss calls the mo
 ordinary forward (``fused_lm_head`` off, ``logits_to_keep = T + 1``). The cost is TRL's
 pre-1.x memory profile: one (B, T, V) logits tensor per micro-batch in the model's
 dtype; the core library's reductions and backward are chunked and never add a float32
-(B, T, V) copy. A fused-from-hidden-states op (``pdmask.ops``) would remove it.
+(B, T, V) copy. ``loss_from_hidden=True`` removes it: :func:`pdmask.policy_loss_from_hidden`
+runs inside the model's (wrapped) forward on the backbone's last hidden states and
+``lm_head.weight`` (:mod:`.hidden`, which also refuses heads that are not ``hidden @ W.T``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from contextlib import contextmanager
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from ... import policy_loss
+from ... import policy_loss, policy_loss_from_hidden
 from ...formats.topk import RolloutTopK
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
+from . import hidden as _hidden
 from . import options
 from .capture import TopKRecorder
 from .config import PDMaskGRPOConfig
@@ -74,6 +77,10 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         if vocab is not None and a.rollout_top_k > vocab:
             raise ValueError(f"rollout_top_k: K={a.rollout_top_k} exceeds the model's vocabulary size {vocab}; "
                              f"set rollout_top_k <= {vocab}")
+        if a.loss_from_hidden:  # after TRL's own patches (cast_lm_head_to_fp32, the fused head)
+            _hidden.check_head(self.model, cast_lm_head_to_fp32=a.cast_lm_head_to_fp32,
+                               aux_loss_enabled=self.aux_loss_enabled)
+            _hidden.install(self.model, cast_lm_head_to_fp32=a.cast_lm_head_to_fp32)
         if self.use_vllm:
             self.vllm_generation.logprobs = a.rollout_top_k
             if self.vllm_mode == "server" and self.accelerator.is_main_process:
@@ -164,22 +171,25 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                     "loss_scale_factor": self.max_completion_length}, ga
         raise ValueError(f"loss_type: {lt!r} is not supported by the pdmask trainer")
 
-    def _completion_logits(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T, V) logits predicting the completion tokens (ordinary forward, not the fused head), and
-        the MoE load-balancing loss when TRL would add it (``aux_loss_enabled``), else None."""
-        comp = inputs["completion_ids"]
-        input_ids = torch.cat([inputs["prompt_ids"], comp], 1)
+    @staticmethod
+    def _forward_inputs(inputs) -> dict:
+        """input_ids, attention_mask, position_ids of prompt + completion."""
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        T = comp.shape[1]
         # Positions count from each row's first real token, as generate() and vLLM count them.
         # Without them the left padding shifts every position of a short prompt: RoPE is
         # shift-invariant only up to float rounding (a measurable mismatch, up to 1e-2 in
         # log-probs on the test model) and absolute position embeddings are simply wrong.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def _completion_logits(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, V) logits predicting the completion tokens (ordinary forward, not the fused head), and
+        the MoE load-balancing loss when TRL would add it (``aux_loss_enabled``), else None."""
+        T = inputs["completion_ids"].shape[1]
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=T + 1, use_cache=False, **extra)
+            out = model(**self._forward_inputs(inputs), logits_to_keep=T + 1, use_cache=False, **extra)
         aux = out.aux_loss if self.aux_loss_enabled else None
         return out.logits[:, -(T + 1):-1, :], aux  # position P-1+t predicts completion token t
 
@@ -192,14 +202,25 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
-        logits, aux_loss = self._completion_logits(model, inputs)
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
-        res = policy_loss(
-            logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
-            inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask,
-            mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
-            delta_high=a.mask_delta_high, temperature=self.temperature, chunk_size=a.mask_chunk_size,
-            validate=a.mask_validate, **options.loss_kwargs(a), **options.sampling(a), **agg)
+        batch = (comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
+                 inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask)
+        kw = dict(mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
+                  delta_high=a.mask_delta_high, temperature=self.temperature, validate=a.mask_validate,
+                  **options.loss_kwargs(a), **options.sampling(a), **agg)
+        if a.loss_from_hidden:
+            T = comp.shape[1]
+
+            def from_hidden(hidden, weight):  # runs inside the model's forward (hidden.py)
+                h = hidden[:, -(T + 1):-1, :]  # (B, T, H): position P-1+t predicts completion token t
+                return policy_loss_from_hidden(h, weight.to(h.dtype), *batch, chunk_rows=a.mask_chunk_size, **kw)
+
+            with self.accelerator.autocast():
+                res = model(**self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)
+            aux_loss = None  # refused at init (hidden.check_head)
+        else:
+            logits, aux_loss = self._completion_logits(model, inputs)
+            res = policy_loss(logits, *batch, chunk_size=a.mask_chunk_size, **kw)
         self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
         loss = res.loss / divisor
         if aux_loss is not None:  # as TRL adds the MoE router loss: coef x aux / GA
