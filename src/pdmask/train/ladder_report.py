@@ -30,6 +30,7 @@ import math
 from pathlib import Path
 
 from .logging import read_jsonl
+from .seed_summary import json_safe
 
 N_BOOT = 10_000
 
@@ -203,10 +204,10 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
                                        "collapse": {"only_mode": b, "only_reference": c, "n": len(common),
                                                     "p": mcnemar_exact(b, c)}}
             entry["modes"].append(row)
-    rep = _json_safe({"name": spec.name, "reference": spec.reference, "collapse_drop": spec.collapse_drop,
-                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
-                      "definitions": DEFINITIONS | {"collapse": DEFINITIONS["collapse"].format(d=spec.collapse_drop)},
-                      "wall": wall_times(out)})
+    rep = json_safe({"name": spec.name, "reference": spec.reference, "collapse_drop": spec.collapse_drop,
+                     "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
+                     "definitions": DEFINITIONS | {"collapse": DEFINITIONS["collapse"].format(d=spec.collapse_drop)},
+                     "wall": wall_times(out)})
     (out / "ladder.json").write_text(json.dumps(rep, indent=2, default=str))
     (out / "ladder.md").write_text(ladder_markdown(rep))
     if plot and any(r["modes"] for r in rungs):
@@ -258,15 +259,6 @@ def wall_times(out: Path) -> dict:
     return {"invocations": inv, "cells_fresh": fresh, "cells_resumed": resumed, "wall_s": total,
             "cell_wall_s_sum": cell_s}
 
-
-def _json_safe(v):
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
 
 
 # ------------------------------------------------------------------ tables

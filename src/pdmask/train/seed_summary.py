@@ -220,18 +220,18 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
         notes.append(f"Runs have different lengths ({', '.join(map(str, sorted(steps)))} steps): "
                      "some are unfinished; their scalars are not comparable.")
     ns = sorted({e["vs_reference"]["n"] for e in out_groups if e["vs_reference"]})
-    return _json_safe({"reference": reference, "level": level, "n_boot": n_boot, "bootstrap_seed": seed,
-            "n_seeds": max((e["n_seeds"] for e in out_groups), default=0),
-            "definitions": SEED_DEFINITIONS, "groups": out_groups,
-            "resolution": [resolution_note(n) for n in ns], "notes": notes})
+    return json_safe({"reference": reference, "level": level, "n_boot": n_boot, "bootstrap_seed": seed,
+           "n_seeds": max((e["n_seeds"] for e in out_groups), default=0),
+           "definitions": SEED_DEFINITIONS, "groups": out_groups,
+           "resolution": [resolution_note(n) for n in ns], "notes": notes})
 
 
-def _json_safe(v):
+def json_safe(v):
     """nan/inf (no interval, no rate) become None, so summary.json is strict JSON."""
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
