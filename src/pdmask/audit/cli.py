@@ -61,13 +61,9 @@ def audit_command(
 ) -> None:
     """Direction audit: does a direction criterion predict the divergence change?"""
     args = dict(locals())
-    try:
-        from .command import run_cli
+    from .command import run_cli
 
-        run_cli(**args)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+    run_cli(**args)  # a ValueError / OSError becomes one line: pdmask.cli.user_errors wraps every command
 
 
 def register(app: typer.Typer) -> None:

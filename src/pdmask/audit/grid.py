@@ -75,12 +75,7 @@ def grid_command(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bars"),
 ) -> None:
     """Direction audit over model shapes."""
-    args = dict(locals())
-    try:
-        run_grid(**args)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+    run_grid(**dict(locals()))  # user errors: one line via pdmask.cli.user_errors
 
 
 def cell_sft_lr(base_lr: float, hidden: int) -> float:
