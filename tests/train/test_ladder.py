@@ -360,3 +360,60 @@ def test_a_report_with_fewer_seeds_keeps_the_finished_runs_of_more(constructed):
     assert rep["notes"] == []
     md = (out / "ladder.md").read_text()
     assert "4 seeds planned per cell; finished runs of further seeds" in md and "| 24/24 |" in md
+
+
+# ------------------------------------------------------------------ pooled over rungs
+def test_pooled_over_rungs_on_constructed_runs(constructed):
+    spec, out = constructed
+    rep = build_report(spec, out, plot=False)
+    pooled = {r["mode"]: r for r in rep["pooled"]}
+    assert set(pooled) == {"none", "pdm-topk-kl"} and pooled["none"]["rungs"] == ["calm", "hard"]
+    # pdm = dppo + 0.02 at the last eval on every seed of both rungs: d_s = 0.02, 8 of 8 up, p = 2 / 2^8
+    d = pooled["pdm-topk-kl"]["diff"]
+    assert d["estimate"] == pytest.approx(0.02) and (d["wins"], d["losses"]) == (8, 0)
+    assert d["p"] == pytest.approx(2 / 256)
+    # none vs dppo: calm 0 on every seed; hard: none ends at 0.30 (s < 6) or 0.60, dppo at
+    # 0.70 + 0.01 s (s < 7) and 0.62 (s = 7), so hard's differences are -0.40 - 0.01 s (s < 6),
+    # -0.16, -0.02; d_s is half of that, and the mean over seeds (-2.40 - 0.15 - 0.16 - 0.02) / 16
+    want = [(-0.40 - 0.01 * s) / 2 for s in range(6)] + [-0.16 / 2, -0.02 / 2]
+    assert pooled["none"]["per_seed"] == pytest.approx(want)
+    assert pooled["none"]["diff"]["estimate"] == pytest.approx(-2.73 / 16)
+    assert pooled["none"]["diff"]["p"] == pytest.approx(2 / 256)
+    md = (out / "ladder.md").read_text()
+    assert "## Pooled over rungs, clustered by seed" in md
+    assert "| pdm-topk-kl | 2 | 8 | +0.020 [+0.020, +0.020] | 8 / 0 | p = 0.00781 |" in md
+
+
+def _rep(rungs, reference="ref"):
+    """A ladder report reduced to what the pooled comparison reads: {rung: {mode: {seed: acc}}}."""
+    return {"reference": reference, "rungs": [
+        {"name": name, "modes": [{"mode": m, "seeds": list(acc), "eval_final": {"per_seed": list(acc.values())}}
+                                 for m, acc in modes.items()]} for name, modes in rungs.items()]}
+
+
+def test_pooled_flips_whole_seeds_and_keeps_a_balanced_design():
+    from pdmask.train.ladder_pooled import pooled_vs_reference
+
+    ref = {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5, 4: 0.5}
+    rep = _rep({
+        # seed 0: +0.3 and -0.1 -> +0.1; seeds 1, 2: +0.1 on both rungs; seed 3: -0.1 on both
+        "a": {"ref": ref, "x": {0: 0.8, 1: 0.6, 2: 0.6, 3: 0.4, 4: 0.9}, "y": {0: 0.4}},
+        # seed 4 ran x only on rung a: dropped (balanced design), and counted
+        "b": {"ref": ref, "x": {0: 0.4, 1: 0.6, 2: 0.6, 3: 0.4}},
+    })
+    rows = {r["mode"]: r for r in pooled_vs_reference(rep, n_boot=200)}
+    x = rows["x"]
+    assert x["rungs"] == ["a", "b"] and x["seeds"] == [0, 1, 2, 3] and x["seeds_dropped"] == [4]
+    assert x["per_seed"] == pytest.approx([0.1, 0.1, 0.1, -0.1])
+    # d = (+.1, +.1, +.1, -.1), |sum| = 0.2; of the 16 sign vectors only the six 2-2 splits
+    # give |sum| < 0.2, so p = 10 / 16 (flipping rungs separately would test something else)
+    assert x["diff"]["estimate"] == pytest.approx(0.05) and x["diff"]["p"] == pytest.approx(10 / 16)
+    assert (x["diff"]["wins"], x["diff"]["losses"]) == (3, 1)
+    # y ran on rung a only, seed 0 only: one rung, one seed, no interval
+    y = rows["y"]
+    assert y["rungs"] == ["a"] and y["seeds"] == [0] and y["per_seed"] == pytest.approx([-0.1])
+    assert y["diff"]["n"] == 1 and math.isnan(y["diff"]["lo"])
+    # no common seed at all: a row without a difference, never a crash
+    rep2 = _rep({"a": {"ref": {0: 0.5}, "x": {1: 0.6}}})
+    (r,) = pooled_vs_reference(rep2, n_boot=200)
+    assert r["seeds"] == [] and r["diff"] is None and r["seeds_dropped"] == [0, 1]

@@ -134,6 +134,7 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
     """Assemble (and write) the ladder report from the finished cells under ``out``."""
     from ..significance import clopper_pearson, mcnemar_exact
     from .ladder import plan_cells
+    from .ladder_pooled import pooled_vs_reference
     from .report import load_summaries, plot_eval_bands, write_summary
     from .seed_summary import seed_summary
 
@@ -208,6 +209,7 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
                      "definitions": DEFINITIONS | {"collapse": DEFINITIONS["collapse"].format(d=spec.collapse_drop)},
                      "wall": wall_times(out)})
+    rep["pooled"] = json_safe(pooled_vs_reference(rep, n_boot=N_BOOT))
     (out / "ladder.json").write_text(json.dumps(rep, indent=2, default=str))
     (out / "ladder.md").write_text(ladder_markdown(rep))
     if plot and any(r["modes"] for r in rungs):
@@ -312,7 +314,9 @@ def ladder_rows(rep: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
         r_w.append([r["name"], "-" if not r["mismatch"] else f"{r['mismatch']['estimate']:.1e}"]
                    + [f"{by[m]['eval_final']['estimate']:.3f} ({by[m]['collapse']['k']}/{by[m]['collapse']['n']})"
                       if m in by else "-" for m in modes])
-    return {"rungs": (h_r, r_r), "modes": (h_m, r_m), "wide": (h_w, r_w)}
+    from .ladder_pooled import pooled_rows
+
+    return {"rungs": (h_r, r_r), "modes": (h_m, r_m), "wide": (h_w, r_w), "pooled": pooled_rows(rep)}
 
 
 def resolution_lines(rep: dict) -> list[str]:
@@ -338,7 +342,9 @@ def ladder_tables(rep: dict) -> list:
     titles = {"rungs": "Ladder rungs: measured mismatch [95% seed-bootstrap interval]",
               "modes": f"Per rung and mode: mean over seeds [95% interval]; collapsed k/n [Clopper-Pearson]; "
                        f"paired vs {rep['reference']} (sign-flip p; McNemar p)",
-              "wide": "Final held-out accuracy, mean over seeds (collapsed runs / seeds)"}
+              "wide": "Final held-out accuracy, mean over seeds (collapsed runs / seeds)",
+              "pooled": f"Paired vs {rep['reference']} pooled over rungs: per seed the mean difference over "
+                        f"the rungs where both ran [95% seed-bootstrap interval]"}
     out = []
     for k, (h, rs) in rows.items():
         t = Table(title=escape(titles[k]))
@@ -365,6 +371,13 @@ def ladder_markdown(rep: dict) -> str:
              "## Final held-out accuracy (collapsed runs / seeds)", "", _md(*rows["wide"]), "",
              "## Per rung and mode", "", _md(*rows["modes"]), ""]
     lines += [f"- {x}" for x in resolution_lines(rep)]
+    if rep.get("pooled"):
+        lines += ["", "## Pooled over rungs, clustered by seed", "",
+                  f"Per seed, the mean over the rungs where both ran of (mode - {rep['reference']}) final "
+                  "accuracy; its mean over seeds [95% seed-bootstrap interval] and a two-sided sign-flip p that "
+                  "flips each seed's rungs together (runs of one seed share data across rungs). Only seeds "
+                  "that ran both modes on every such rung enter. A difference confined to one rung is diluted "
+                  "by the others: the per-rung rows say where.", "", _md(*rows["pooled"])]
     lines += ["", f"Machine time: {w['wall_s'] / 60:.1f} min over {w['invocations']} invocation(s); "
                   f"{w['cells_fresh']} cells started fresh, {w['cells_resumed']} resumed.", "",
               "Definitions:", ""] + [f"- {k}: {v}" for k, v in rep["definitions"].items()]
