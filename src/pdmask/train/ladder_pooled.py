@@ -25,10 +25,10 @@ one rung is diluted by the others (the per-rung rows say where).
 
 from __future__ import annotations
 
-N_BOOT = 10_000
+from ..significance import DEFAULT_N_BOOT
 
 
-def pooled_vs_reference(rep: dict, *, n_boot: int = N_BOOT, seed: int = 0) -> list[dict]:
+def pooled_vs_reference(rep: dict, *, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> list[dict]:
     """Per mode other than the reference: the final-accuracy difference pooled over the
     rungs where both ran (module docstring). ``rep`` is the ladder report
     (:func:`pdmask.train.ladder_report.build_report`); each row is a dict with ``mode``,
