@@ -107,7 +107,7 @@ def _print_config_help():
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value (see --help-config)"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML preset (a path, or a name in configs/)"),
-    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory (sets model_path)"),
+    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory or a named source (smollm2-135m); sets model_path"),
     resume: bool = typer.Option(False, "--resume", help="continue the run from its latest checkpoint"),
     help_config: bool = typer.Option(False, "--help-config", help="list every config field and exit"),
 ):
@@ -138,7 +138,8 @@ def compare(
     deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (sets delta_low = delta_high)"),
     out: Optional[str] = typer.Option(None, "--out", help="output directory (default: out_dir/compare-<name>)"),
     jobs: int = typer.Option(1, "--jobs", help="runs in parallel (subprocesses; each uses `threads` threads)"),
-    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory"),
+    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory or a named "
+                                                                    "source (smollm2-135m); sets model_path"),
     resume: bool = typer.Option(False, "--resume", help="resume unfinished runs"),
     timing: bool = typer.Option(True, "--timing/--no-timing", help="interleaved loss-time ratio pdm/dppo at the end"),
     reference: str = typer.Option("dppo-topk-kl", "--reference",
@@ -219,6 +220,8 @@ def ladder(
                                                               "the report always covers every rung"),
     modes: Optional[str] = typer.Option(None, "--modes", help="comma-separated modes (replaces the spec's modes)"),
     seeds: Optional[int] = typer.Option(None, "--seeds", help="seeds per cell (replaces the spec's seeds)"),
+    model: Optional[str] = typer.Option(None, "--model", help="model of every run: a local Hugging Face directory "
+                                                              "or a named source (smollm2-135m); sets model_path"),
     plan: bool = typer.Option(False, "--plan", help="print every cell's status (done / partial / todo) and exit"),
     report_only: bool = typer.Option(False, "--report-only", help="rebuild the report without running anything"),
 ):
@@ -238,6 +241,7 @@ def ladder(
             p = Path(spec) if Path(spec).is_file() else _resolve_config(spec)
         except ValueError:  # _resolve_config names `config`; here the file is the spec
             raise ValueError(f"spec: file {spec!r} not found (nor configs/{spec}.yaml)") from None
+        overrides = [*(overrides or []), *([f"model_path={model}"] if model else [])]
         sp = load_spec(p, modes=modes, seeds=seeds, overrides=overrides)
         rung_list = [r.strip() for r in rungs.split(",") if r.strip()] if rungs else None
         console = _console()

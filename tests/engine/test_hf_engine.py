@@ -159,3 +159,33 @@ def test_bad_arguments(tiny_model, prompts):
         _engine(tiny_model).generate([[]], max_new_tokens=3, seed=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         _engine(tiny_model).generate(prompts, max_new_tokens=0, seed=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_shared_prefill_equals_the_plain_prefill(tiny_model, prompts, precision):
+    """Groups of repeated prompts (as GRPO sends them), prompts of unequal length: one
+    prefill per distinct prompt gives the same tokens and log-probs up to GEMM rounding."""
+    groups = [p for p in prompts for _ in range(3)]  # (12,) rows, 4 distinct prompts
+    plain = _engine(tiny_model, precision=precision)
+    shared = _engine(tiny_model, precision=precision, share_prefill=True)
+    a = plain.generate(groups, max_new_tokens=10, seed=5, return_logits=True)
+    b = shared.generate(groups, max_new_tokens=10, seed=5, return_logits=True)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    m = a.response_mask
+    torch.testing.assert_close(b.sampled_logprob[m], a.sampled_logprob[m], rtol=0, atol=tol)
+    torch.testing.assert_close(b.topk_logprobs[m], a.topk_logprobs[m], rtol=0, atol=tol)
+    torch.testing.assert_close(b.logits[m], a.logits[m], rtol=0, atol=tol * 10)
+    # rows of one group differ after the prefill (each samples its own tokens)
+    assert not all(torch.equal(b.sequences[0], b.sequences[i]) for i in (1, 2))
+
+
+def test_shared_prefill_is_refused_outside_the_hf_engine():
+    from types import SimpleNamespace
+
+    from pdmask.engine.registry import build_engine
+
+    cfg = SimpleNamespace(engine="vllm", engine_share_prefill=True, engine_precision="fp32", temperature=1.0,
+                          top_k=5, sampling_top_k=None, sampling_top_p=None, sampling_min_p=None)
+    with pytest.raises(ValueError, match="^engine_share_prefill: built into the hf engine only"):
+        build_engine(cfg, None, SimpleNamespace(eos_token_id=1, pad_token_id=0))

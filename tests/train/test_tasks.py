@@ -118,3 +118,105 @@ def test_tokenizer_vocabulary_is_full_size():
     assert tok.decode(tok(text).input_ids) == text
     with pytest.raises(ValueError, match="^vocab_size:"):
         train_bpe_tokenizer(["a b"] * 10, 5000)
+
+
+# ------------------------------------------------------------------ largest / first-number
+@pytest.mark.parametrize("text,answer,want", [
+    ("The largest number is 83.", "83", 1.0),
+    ("83", "83", 1.0),
+    ("The largest is 83, not 47.", "83", 1.0),      # the first number decides
+    ("47 is smaller than 83.", "83", 0.0),          # listing candidates earns nothing
+    ("The largest number is 83.0!", "83", 1.0),     # numerically equal
+    ("The largest number is -83.", "83", 0.0),
+    ("The largest number is eighty-three.", "83", 0.0),  # no number written
+    ("", "83", 0.0),
+])
+def test_first_number_reward(text, answer, want):
+    from pdmask.train.tasks import first_number_reward, get_reward
+
+    assert first_number_reward(text, answer) == want
+    assert get_reward("first-number") is first_number_reward
+
+
+def test_largest_task_is_seeded_correct_held_out_and_chat_shaped():
+    from pdmask.train.tasks import LARGEST_SYSTEM, largest_task
+
+    t = largest_task(seed=3, train_size=300, eval_size=40, shots=2)
+    assert largest_task(seed=3, train_size=300, eval_size=40, shots=2) == t  # seeded
+    held = set()
+    for p in t.eval:
+        nums = [int(x) for x in re.findall(r"\d+", p.prompt)]
+        assert len(nums) == 3 and len(set(nums)) == 3 and all(10 <= x <= 99 for x in nums)
+        assert p.answer == str(max(nums)) and p.solution == f" The largest number is {max(nums)}."
+        held.add(frozenset(nums))
+    for p in t.train:  # neither the questions nor their worked examples repeat a held-out triple
+        for q in [p.prompt, *(u for u, _ in p.shots)]:
+            assert frozenset(int(x) for x in re.findall(r"\d+", q)) not in held
+    p = t.train[0]
+    m = p.messages()
+    assert [x["role"] for x in m] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert m[0]["content"] == LARGEST_SYSTEM and m[-1]["content"] == p.prompt
+    u, a = p.shots[0]
+    nums = [int(x) for x in re.findall(r"\d+", u)]
+    assert a == f"The largest number is {max(nums)}."  # the worked examples are right
+
+
+def test_largest_needs_the_chat_template():
+    from pdmask.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="^use_chat_template: task=largest"):
+        TrainConfig(task="largest", model_path="smollm2-135m", sft_steps=0).validate()
+
+
+def test_encode_prompts_puts_system_and_shots_before_the_question():
+    from pdmask.train.model import encode_prompts
+    from pdmask.train.tasks import Problem
+
+    class Tok:  # records the chat it is asked to render
+        def apply_chat_template(self, chat, **kw):
+            return [len(chat)] + [len(m["content"]) for m in chat]
+
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [len(text)]})()
+
+    p = Problem("Which?", "1", system="sys", shots=(("q1", "a1"),))
+    assert encode_prompts(Tok(), [p], use_chat_template=True) == [[4, 3, 2, 2, 6]]
+    assert encode_prompts(Tok(), ["plain"], use_chat_template=True) == [[1, 5]]
+    assert encode_prompts(Tok(), [p, "ab"], use_chat_template=False) == [[6], [2]]
+
+
+def test_jsonl_system_message(tmp_path):
+    from pdmask.train.tasks import read_jsonl
+
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"prompt": "q", "answer": 1, "system": "be brief"}) + "\n"
+                 + json.dumps({"prompt": "q2", "answer": 2}) + "\n")
+    a, b = read_jsonl(f)
+    assert a.messages()[0] == {"role": "system", "content": "be brief"} and b.system is None
+    f.write_text(json.dumps({"prompt": "q", "answer": 1, "system": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"'system' must be a string or null"):
+        read_jsonl(f)
+
+
+# ------------------------------------------------------------------ no signal
+def _rollout(rewards, G, T=3):
+    from pdmask.engine.base import RolloutBatch
+    from pdmask.train.rollout import Rollout
+
+    r = torch.tensor(rewards, dtype=torch.float32)
+    B = r.numel()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, -1] = False
+    batch = RolloutBatch(sequences=torch.zeros(B, T + 2, dtype=torch.long), attention_mask=torch.ones(B, T + 2),
+                         prompt_len=2, response_mask=mask, sampled_logprob=torch.zeros(B, T),
+                         topk_ids=torch.zeros(B, T, 1, dtype=torch.long), topk_logprobs=torch.zeros(B, T, 1))
+    return Rollout(batch, r, group_advantages(r, G), G)
+
+
+def test_zero_advantage_warning_counts():
+    from pdmask.train.rollout import zero_advantage_warning
+
+    msg = zero_advantage_warning(_rollout([0, 0, 0, 0, 1, 1], G=2))
+    assert msg is not None and "\n" not in msg
+    assert "all 3 groups are flat" in msg and "2 of 6 samples rewarded" in msg and "17 response tokens" in msg
+    assert zero_advantage_warning(_rollout([0, 1, 0, 0, 1, 1], G=2)) is None

@@ -19,8 +19,9 @@ HELP = ("Direction audit: does a direction criterion (ratio vs predictive Ddot) 
 
 def audit_command(
     out: Path = typer.Option(Path("audit"), "--out", "-o", help="output directory"),
-    model: str = typer.Option("", "--model", help="local HF model directory or a `pdmask train` run directory "
-                                                  "(default: the built-in SFT model of the trainer config)"),
+    model: str = typer.Option("", "--model", help="local HF model directory, a named source (smollm2-135m) or a "
+                                                  "`pdmask train` run directory (default: the trainer config's "
+                                                  "model_path, else its built-in SFT model)"),
     config: Optional[Path] = typer.Option(None, "--config", help="trainer YAML preset (model, task, engine, loss)"),
     set_: List[str] = typer.Option([], "--set", help="trainer config override key=value (repeatable)"),
     seeds: int = typer.Option(20, "--seeds", help="number of rollout batches (seeds) to audit"),

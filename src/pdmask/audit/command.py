@@ -120,6 +120,22 @@ def _with_new_defaults(old: dict, fp: dict) -> dict:
     return {**old, "trainer": t}
 
 
+def check_not_empty(results) -> None:
+    """Refuse to write tables with nothing in them as if they were results: no token with
+    A != 0 in any seed (every group flat), or no token out of the region."""
+    n = len(results)
+    active = sum(r.info["n_active_tokens"] for r in results)
+    if active == 0:
+        rewards = sorted({round(r.info.get("reward_mean", float("nan")), 3) for r in results})
+        raise ValueError(f"audit: 0 tokens with A != 0 in {n} seeds (every group's rewards are equal; mean reward "
+                         f"per seed {rewards}): the task or reward gives this model no signal, so there is "
+                         "nothing to audit and no tables were written (pick a task the model solves sometimes)")
+    out = sum(r.info["n_out_of_region"] for r in results)
+    if out == 0:
+        raise ValueError(f"audit: 0 of {active} tokens with A != 0 are out of the region in {n} seeds: the tables "
+                         "would be empty, none were written (lower --delta, add --lag or a coarser --precision)")
+
+
 def seed_path(d: Path, seed: int) -> Path:
     return d / f"seed-{seed:06d}.pt"
 
@@ -165,7 +181,11 @@ def ensure_base(a: dict, tcfg, threads: int, console) -> None:
     from ..train.config import replace
     from ..train.sft import ensure_sft_checkpoint
 
-    if not a["model"] or is_run_dir(a["model"]):
+    from ..train.named_models import is_named, resolve_model
+
+    if is_named(a["model"]):  # converted once here, not raced by the workers
+        resolve_model(a["model"], cache_dir=tcfg.cache_dir or None, console=console)
+    elif not a["model"] or is_run_dir(a["model"]):
         ensure_sft_checkpoint(replace(tcfg, threads=max(threads, tcfg.threads)), console=console)
 
 
@@ -233,6 +253,7 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     else:
         info = json.loads((d / "source.json").read_text())
     results = [load_seed(seed_path(d, s)) for s in all_seeds]
+    check_not_empty(results)
     summary = summarize_all(results, cfg)
     run = {"command": "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
            "seeds": f"{seed_offset}..{seed_offset + seeds - 1}", "jobs": jobs, **info,

@@ -55,11 +55,16 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     from ..train.config import replace
     from ..train.grpo import setup
     from ..train.model import num_params
-    from ..train.rollout import rollout_step
+    from ..train.rollout import rollout_step, zero_advantage_warning
     from ..train.sft import sft_info
+
+    from ..train.named_models import resolve_model
 
     if not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag: must be a non-negative int, got {lag!r}")
+    if not model and tcfg.model_path and tcfg.sft_steps == 0:  # the config names the model itself
+        model = tcfg.model_path
+    model = resolve_model(model, cache_dir=tcfg.cache_dir or None, console=console) if model else model
     ckpt = None
     if model and is_run_dir(model):
         ckpt = latest_checkpoint(model)
@@ -96,6 +101,8 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
         ro = rollout_step(engine, S.tokenizer, [S.train_ids[i] for i in idx], [S.task.train[i].answer for i in idx],
                           S.reward_fn, group_size=G, max_new_tokens=tcfg.max_new_tokens, seed=int(seed),
                           std_norm=tcfg.adv_std_norm, return_logits=True)
+        if console is not None and (flat := zero_advantage_warning(ro)) is not None:
+            console.print(f"[yellow]warning:[/yellow] seed {seed}: {flat}", soft_wrap=True)
         return ro.batch, ro.advantages, {"reward_mean": float(ro.rewards.mean()),
                                          "flat_group_frac": float(ro.flat_group_frac)}
 

@@ -82,8 +82,15 @@ def sample(
     sampling_top_k: int | None = None,
     sampling_top_p: float | None = None,
     sampling_min_p: float | None = None,
+    share_prefill: bool = False,
 ) -> RolloutBatch:
     """Batched sampling with a KV cache; returns a :class:`RolloutBatch`.
+
+    ``share_prefill``: run the prompt forward once per *distinct* prompt and copy its KV
+    cache to every row that repeats it (a GRPO group is ``group_size`` copies of one
+    prompt, so the prefill costs 1/G). Equal to the plain prefill up to GEMM rounding
+    (other matrix shapes), not bit for bit, hence off by default: figures made without it
+    reproduce exactly.
 
     A response ends at (and includes) its first ``eos_id``; later slots hold
     ``pad_id`` with ``response_mask`` False. ``greedy`` takes the argmax (log-probs are
@@ -103,14 +110,25 @@ def sample(
     ids, attn = left_pad(prompts, pad_id, dev)  # (B, P)
     B, P = ids.shape
     gen = torch.Generator(device=dev).manual_seed(int(seed))
-    kv = {cache_kwarg(model): DynamicCache()}  # the same cache object is extended by every call
-    out = model(input_ids=ids, attention_mask=attn.long(), position_ids=position_ids(attn),
-                use_cache=True, logits_to_keep=1, **kv)
+    cache = DynamicCache()
+    kv = {cache_kwarg(model): cache}  # the same cache object is extended by every call
+    if share_prefill:
+        first: dict[tuple, int] = {}
+        index = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=dev)  # (B,)
+        u_ids, u_attn = left_pad([list(p) for p in first], pad_id, dev)  # (U, P): the longest prompt is among them
+        out = model(input_ids=u_ids, attention_mask=u_attn.long(), position_ids=position_ids(u_attn),
+                    use_cache=True, logits_to_keep=1, **kv)
+        cache.batch_select_indices(index)  # (U, ...) -> (B, ...) rows of the KV cache
+        last = out.logits[index]
+    else:
+        out = model(input_ids=ids, attention_mask=attn.long(), position_ids=position_ids(attn),
+                    use_cache=True, logits_to_keep=1, **kv)
+        last = out.logits
     pos = attn.long().sum(-1) - 1  # (B,) position of the last prompt token
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     toks, masks, lps, tk_ids, tk_lps, raw = [], [], [], [], [], []
     for _ in range(max_new_tokens):
-        z = out.logits[:, -1].float()  # (B, V) raw logits in float32
+        z = last[:, -1].float()  # (B, V) raw logits in float32
         y = z / temperature
         if trunc is not None:  # mu renormalised over the kept set (vLLM's processed log-probs)
             y = y.masked_fill(~sampling_kept_mask(y, top_k=trunc.top_k, top_p=trunc.top_p, min_p=trunc.min_p),
@@ -135,8 +153,8 @@ def sample(
         if bool(done.all()):
             break
         pos = pos + 1
-        out = model(input_ids=k[:, None], attention_mask=attn.long(), position_ids=pos[:, None],
-                    use_cache=True, **kv)
+        last = model(input_ids=k[:, None], attention_mask=attn.long(), position_ids=pos[:, None],
+                     use_cache=True, **kv).logits
     resp = torch.stack(toks, 1)  # (B, T)
     rmask = torch.stack(masks, 1)  # (B, T)
     lp = torch.where(rmask, torch.stack(lps, 1), torch.zeros_like(rmask, dtype=torch.float32))
@@ -186,8 +204,10 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model, *, eos_id: int, pad_id: int, precision: str = "fp32",
                  temperature: float = 1.0, top_k_logprobs: int = 20, sampling_top_k: int | None = None,
-                 sampling_top_p: float | None = None, sampling_min_p: float | None = None):
+                 sampling_top_p: float | None = None, sampling_min_p: float | None = None,
+                 share_prefill: bool = False):
         check_precision(precision)
+        self.share_prefill = bool(share_prefill)
         check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
         self.sampling = dict(sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
                              sampling_min_p=sampling_min_p)
@@ -228,7 +248,8 @@ class HFEngine(RolloutEngine):
                  return_logits: bool = False) -> RolloutBatch:
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=self.eos_id,
                       pad_id=self.pad_id, temperature=self.temperature,
-                      top_k_logprobs=self.top_k_logprobs, seed=seed, return_logits=return_logits, **self.sampling)
+                      top_k_logprobs=self.top_k_logprobs, seed=seed, return_logits=return_logits,
+                      share_prefill=self.share_prefill, **self.sampling)
 
     @torch.no_grad()
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -66,6 +66,11 @@ def build_engine(cfg, model, tokenizer) -> RolloutEngine:
     if on and cfg.engine != "hf":
         raise ValueError(f"{next(iter(on))}: truncated sampling is built into the hf engine only "
                          f"(engine={cfg.engine!r} samples with the temperature alone)")
+    if getattr(cfg, "engine_share_prefill", False):
+        if cfg.engine != "hf":
+            raise ValueError(f"engine_share_prefill: built into the hf engine only (engine={cfg.engine!r} "
+                             "manages its own prefix cache); set it to false")
+        on["share_prefill"] = True
     return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
                        pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
                        temperature=cfg.temperature, top_k_logprobs=cfg.top_k, **on)
@@ -79,6 +84,8 @@ def _make_hf(model, *, tokenizer=None, eos_id, pad_id, precision, temperature, t
     from .hf import HFEngine
 
     trunc = {k: options.pop(k) for k in SAMPLING_FIELDS if k in options}
+    if "share_prefill" in options:
+        trunc["share_prefill"] = options.pop("share_prefill")
     if options:
         raise ValueError(f"engine_options: the hf engine takes none, got {sorted(options)}")
     return HFEngine(model, eos_id=eos_id, pad_id=pad_id, precision=precision, temperature=temperature,

@@ -31,7 +31,9 @@ class TrainConfig:
     threads: int = _f(1, "torch CPU threads (1 is fastest for the tiny default model on a shared machine)")
     device: str = _f("cpu", "torch device of the trainer and the hf engine (cpu, cuda, cuda:1, ...)")
     # ---------------------------------------------------------------- model
-    model_path: str = _f("", "local Hugging Face causal-LM directory (with its tokenizer); empty: build from the fields below")
+    model_path: str = _f("", "local Hugging Face causal-LM directory (with its tokenizer), or a named source "
+                             "(smollm2-135m: a pip package's GGUF, converted once into the cache); empty: build "
+                             "from the fields below")
     arch: str = _f("llama", "architecture of the built-in model: llama or qwen3")
     vocab_size: int = _f(1024, "BPE vocabulary size of the built-in tokenizer (>= 1024 keeps top-20 truncation real)")
     hidden_size: int = _f(128, "built-in model width")
@@ -42,13 +44,15 @@ class TrainConfig:
     tie_embeddings: bool = _f(True, "built-in model: the output layer (LM head) shares the input embedding's "
                                     "weights; false: an untied head (with model_path the checkpoint decides)")
     # ---------------------------------------------------------------- task
-    task: str = _f("arithmetic", "arithmetic (built-in, generated from task_seed) or jsonl (train_file/eval_file)")
+    task: str = _f("arithmetic", "arithmetic (built-in, generated from task_seed), largest (largest of three numbers, "
+                                 "for a pretrained chat model; needs use_chat_template) or jsonl (train_file/eval_file)")
     task_seed: int = _f(1234, "seed of the generated problems and of the jsonl eval split")
     train_size: int = _f(20000, "number of generated training problems")
     eval_size: int = _f(200, "number of held-out problems (greedy accuracy is measured on them)")
     max_number: int = _f(10, "arithmetic: operands are drawn from 1..max_number (values stay <= 2*max_number)")
     min_steps: int = _f(2, "arithmetic: fewest operations per problem")
     max_steps: int = _f(3, "arithmetic: most operations per problem")
+    shots: int = _f(3, "largest: worked examples (user/assistant turns) before each question")
     train_file: str = _f("", "jsonl: training problems, one {prompt, answer[, solution]} per line")
     eval_file: str = _f("", "jsonl: held-out problems (default: eval_size split off train_file)")
     reward: str = _f("answer", "reward: answer (last 'answer: N' is right), answer+steps (and every 'a +/- b = c' is true), answer+format, last-number, or module:function")
@@ -96,6 +100,9 @@ class TrainConfig:
                                    "(forward mode, double backward if the model lacks it), jvp, double-backward")
     # ---------------------------------------------------------------- engine
     engine: str = _f("hf", "rollout backend: hf (transformers); vllm when that backend is installed")
+    engine_share_prefill: bool = _f(False, "hf engine: prefill each distinct prompt once and copy its KV cache to "
+                                           "its group (1/group_size of the prefill; equal up to GEMM rounding, so "
+                                           "off by default and earlier figures reproduce bit for bit)")
     engine_precision: str = _f("bf16", "engine weights/compute: fp32, bf16, fp16, fp8 (fp8 weights, fp32 compute), fp8-bf16")
     top_k: int = _f(20, "K of the engine's reported top-K log-probs")
     sync_every: int = _f(1, "copy trainer weights to the engine every N steps (N > 1: policy lag of up to N-1 steps)")
@@ -132,7 +139,9 @@ class TrainConfig:
         from ..engine.precision import PRECISIONS
         from ..engine.registry import engine_names
 
-        choices = {"arch": ("llama", "qwen3"), "task": ("arithmetic", "jsonl"), "mode": tuple(MODES),
+        from .tasks import TASKS
+
+        choices = {"arch": ("llama", "qwen3"), "task": TASKS, "mode": tuple(MODES),
                    "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
                    "engine": tuple(engine_names()), "batch_method": METHODS}
         for k, valid in choices.items():
@@ -203,6 +212,11 @@ class TrainConfig:
                              "checkpoint's own config.json (tie_word_embeddings) decides")
         if self.task == "jsonl" and not self.train_file:
             raise ValueError("train_file: required when task=jsonl")
+        if self.task == "largest" and not self.use_chat_template:
+            raise ValueError("use_chat_template: task=largest asks its worked examples as chat turns; set "
+                             "use_chat_template=true (and a model_path whose tokenizer has a chat template)")
+        if self.shots < 0:
+            raise ValueError(f"shots: must be >= 0, got {self.shots}")
         _validate_corrections(self)
         return self
 

@@ -43,7 +43,7 @@ from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
 from .progress import make_progress
-from .rollout import Rollout, greedy_eval, rollout_step
+from .rollout import Rollout, greedy_eval, rollout_step, zero_advantage_warning
 from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
@@ -105,8 +105,8 @@ def setup(cfg: TrainConfig, console=None) -> Setup:
     model, tok = load_model_and_tokenizer(base, cfg.device)
     model.train()
     task = build_task(cfg)
-    tr = encode_prompts(tok, [p.prompt for p in task.train], use_chat_template=cfg.use_chat_template)
-    ev = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    tr = encode_prompts(tok, task.train, use_chat_template=cfg.use_chat_template)
+    ev = encode_prompts(tok, task.eval, use_chat_template=cfg.use_chat_template)
     check_lengths(cfg, model, tr, ev)
     opt = make_optimizer(model, cfg)
     engine = build_engine(cfg, model, tok)
@@ -185,6 +185,8 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                               group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                               seed=rollout_seed(cfg, step), std_norm=cfg.adv_std_norm, return_logits=cfg.full_logits)
             batch, adv = ro.batch, ro.advantages  # sequences (n, P + T), advantages (n,)
+            if (flat := zero_advantage_warning(ro)) is not None:
+                console.print(f"[yellow]warning:[/yellow] step {step}: {flat}", soft_wrap=True)
             t1 = time.time()
             # --- updates: `minibatches` slices of a seeded shuffle, `epochs` passes
             g = torch.Generator().manual_seed(rollout_seed(cfg, step) + 1)

@@ -56,8 +56,10 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     """(model in float32, tokenizer) from a local HF directory; never downloads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .named_models import resolve_model
+
     quiet_transformers()
-    p = Path(path)
+    p = Path(resolve_model(path))
     if not (p / "config.json").exists():
         raise ValueError(f"model_path: {str(path)!r} is not a Hugging Face model directory (no config.json)")
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(p, local_files_only=True))
@@ -65,12 +67,17 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     return model.to(device), tok
 
 
-def encode_prompts(tokenizer, prompts: list[str], *, use_chat_template: bool = False) -> list[list[int]]:
-    """Token ids of each prompt (no special tokens added unless the chat template adds them)."""
+def encode_prompts(tokenizer, prompts: list, *, use_chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt (no special tokens added unless the chat template adds them).
+
+    A prompt is a string or a :class:`pdmask.train.tasks.Problem`; with the chat template a
+    problem's system message and worked examples come before its question (its
+    :meth:`~pdmask.train.tasks.Problem.messages`), without it only its ``prompt`` is used."""
     if use_chat_template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False) for p in prompts]
-    return [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        chats = [p.messages() if hasattr(p, "messages") else [{"role": "user", "content": p}] for p in prompts]
+        return [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+                for c in chats]
+    return [tokenizer(getattr(p, "prompt", p), add_special_tokens=False).input_ids for p in prompts]
 
 
 def num_params(model) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .named_models import gguf_path, is_named
 from .rundir import check_writable_dir
 
 
@@ -125,7 +126,9 @@ def check_environment(cfg) -> None:
         check_file("train_file", cfg.train_file)
         if cfg.eval_file:
             check_file("eval_file", cfg.eval_file)
-    if cfg.model_path:
+    if is_named(cfg.model_path):
+        gguf_path(cfg.model_path)  # installed? (converted, and its chat template checked, on first load)
+    elif cfg.model_path:
         check_model_dir(cfg.model_path, chat_template=cfg.use_chat_template)
     check_reward(cfg.reward)
 

@@ -85,6 +85,22 @@ class Rollout:
         return (self.rewards.reshape(-1, self.group_size).std(-1, unbiased=False) == 0).float().mean()
 
 
+def zero_advantage_warning(ro: Rollout) -> str | None:
+    """One line, with counts, when no response token of the batch has A != 0, else None.
+
+    Every group is flat then (all its samples got the same reward), so the batch carries no
+    policy-gradient signal: a task too hard (all 0) or too easy (all 1) for the model at
+    this temperature, or a reward that never fires. One host sync."""
+    active = (ro.advantages != 0)[:, None] & ro.batch.response_mask.bool()  # (B, T)
+    if bool(active.any()):
+        return None
+    r = ro.rewards
+    n_groups = r.numel() // ro.group_size
+    return (f"no token with A != 0 in this batch: all {n_groups} groups are flat ({int((r > 0.5).sum())} of "
+            f"{r.numel()} samples rewarded, mean reward {float(r.mean()):.3f}, "
+            f"{int(ro.batch.response_mask.sum())} response tokens); it has no policy-gradient signal")
+
+
 def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str], reward_fn, *, group_size: int,
                  max_new_tokens: int, seed: int, std_norm: bool = True, return_logits: bool = False) -> Rollout:
     """Sample ``group_size`` responses to each prompt, reward them, GRPO advantages.

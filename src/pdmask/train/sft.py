@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .named_models import resolve_model
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
 from .preflight import check_cache, check_environment, check_lengths
 from .rollout import greedy_eval
@@ -76,7 +77,7 @@ def ensure_sft_checkpoint(cfg, *, console=None) -> Path:
     """
     check_environment(cfg)
     if cfg.model_path and cfg.sft_steps == 0:
-        return Path(cfg.model_path)
+        return Path(resolve_model(cfg.model_path, cache_dir=cfg.cache_dir or None, console=console))
     final = sft_dir(cfg)
     if (final / "sft.json").exists():
         return final
@@ -140,12 +141,13 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     rng = random.Random(cfg.sft_seed)
     targets = [alt_format(p.solution) if rng.random() < cfg.sft_alt_format else p.solution for p in data]
     if cfg.model_path:
-        model, tok = load_model_and_tokenizer(cfg.model_path, cfg.device)
+        model, tok = load_model_and_tokenizer(resolve_model(cfg.model_path, cache_dir=cfg.cache_dir or None,
+                                                            console=console), cfg.device)
     else:
         tok = train_bpe_tokenizer([p.prompt + t for p, t in zip(data, targets)], cfg.vocab_size)
         model = build_model(cfg, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=cfg.sft_seed)
-    prompts = encode_prompts(tok, [p.prompt for p in data], use_chat_template=cfg.use_chat_template)
-    ev_prompts = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    prompts = encode_prompts(tok, data, use_chat_template=cfg.use_chat_template)
+    ev_prompts = encode_prompts(tok, task.eval, use_chat_template=cfg.use_chat_template)
     check_lengths(cfg, model, prompts, ev_prompts)  # before the SFT steps, not after them
     sols = [ids + [tok.eos_token_id] for ids in tok(targets, add_special_tokens=False).input_ids]
     order: list[int] = []
@@ -179,7 +181,7 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
             opt.step()
             losses.append(loss.detach())
             prog.update(task_id, advance=1, description=f"SFT warm start loss {loss.detach().item():.3f}" if s % 20 == 0 else None)
-    ev_ids = encode_prompts(tok, [p.prompt for p in task.eval], use_chat_template=cfg.use_chat_template)
+    ev_ids = encode_prompts(tok, task.eval, use_chat_template=cfg.use_chat_template)
     ev = greedy_eval(model, tok, ev_ids, [p.answer for p in task.eval], eval_rewards(cfg),
                      max_new_tokens=cfg.max_new_tokens)
     with writing(out_dir):

