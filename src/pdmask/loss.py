@@ -28,7 +28,7 @@ from ._validate import (
 )
 from .keys import ESTIMATORS
 from .masks import (
-    SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
+    MODES, SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
 from .keys import BATCH_DDOT
 from .corrections import apply_corrections, check_corrections, is_weight
@@ -273,6 +273,8 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
                         response_mask, rollout_logits, validate, rollout_kept_mask, checks=checks)
     else:
         _check_hidden(hidden, lm_head_weight)
+        if checks is not None:  # else a bad weight shows only as non-finite rows of `hidden`
+            checks.add("lm_head_weight", "contains NaN or inf", ~torch.isfinite(lm_head_weight).all())
         batch = prepare_rows(tuple(hidden.shape[:-1]), lm_head_weight.shape[0], hidden.device, sampled_ids,
                              rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, response_mask, None,
                              validate, rollout_kept_mask, checks=checks)
@@ -493,10 +495,12 @@ def policy_loss_from_hidden(
             logit soft-capping.
         chunk_cols, chunk_rows: vocabulary columns / rows per chunk (None: 4 M logits).
         Everything else: as :func:`policy_loss`. Not available: ``rollout_logits`` (the
-        ``*-full-*`` modes) and ``impl`` (this path is plain torch).
+        ``*-full-*`` modes are refused, naming the modes that work) and ``impl`` (this path
+        is plain torch). A non-finite ``lm_head_weight`` is refused naming it.
 
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, sampled_ids, ...)``.
     """
+    _refuse_full_modes(mode)
     counts, spec = _check_loss_args(
         mode, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor,
         is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask, is_batch_normalize=is_batch_normalize,
@@ -512,6 +516,16 @@ def policy_loss_from_hidden(
         loss_is_cap=spec.is_cap)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
+
+
+def _refuse_full_modes(mode) -> None:
+    """The ``*-full-*`` modes need the rollout's full logits, which the hidden path does not take."""
+    m = get_mode(mode)
+    if "full" in m.needs:
+        works = [name for name, mm in MODES.items() if "full" not in mm.needs]
+        raise ValueError(f"mode: {m.name!r} needs the rollout policy's full logits, and policy_loss_from_hidden "
+                         "has none (it takes no rollout_logits); use policy_loss(..., rollout_logits=...) for it, "
+                         f"or one of the modes that work here: {', '.join(works)}")
 
 
 def _loss(mb: MaskedBatch, spec, *, loss_agg, num_tokens, num_seqs, loss_scale_factor) -> PolicyLossOutput:

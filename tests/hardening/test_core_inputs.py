@@ -365,3 +365,45 @@ def test_realistic_advantages_and_the_mask_alone_are_not_bounded():
     assert torch.isfinite(call(advantages=torch.full((B, T), 1e6)).loss)
     m = call("trust_region_mask", advantages=torch.full((B, T), 1e38))
     assert m.dtype == torch.bool
+
+
+# ---------------------------------------------------------------- the hidden-state path
+H = 8
+
+
+def hidden_call(hidden=None, weight=None, **kw):
+    a = good()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(B, T, H, generator=g) if hidden is None else hidden
+    w = torch.randn(V, H, generator=g) if weight is None else weight
+    return pdmask.policy_loss_from_hidden(h, w, *[a[k] for k in POLICY_ARGS[1:]], **kw)
+
+
+def _with(shape, pos, val):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    t[pos] = val
+    return t
+
+
+@pytest.mark.parametrize("cid,kw,arg", [
+    ("weight nan", dict(weight=_with((V, H), (3, 2), math.nan)), "lm_head_weight"),
+    ("weight +inf", dict(weight=_with((V, H), (0, 0), math.inf)), "lm_head_weight"),
+    ("weight -inf", dict(weight=_with((V, H), (9, 7), -math.inf)), "lm_head_weight"),
+    ("hidden nan", dict(hidden=_with((B, T, H), (1, 2, 0), math.nan)), "hidden"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_hidden_path_names_the_non_finite_argument(cid, kw, arg):
+    with pytest.raises(ValueError) as e:
+        hidden_call(**kw)
+    assert str(e.value).startswith(arg + ":"), str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["pdm-full-kl", "pdm-full-tv"])
+def test_hidden_path_refuses_the_full_vocabulary_modes(mode):
+    """policy_loss_from_hidden takes no rollout_logits: asking for them would name an
+    argument it does not accept. The error says why and which modes work."""
+    with pytest.raises(ValueError) as e:
+        hidden_call(mode=mode)
+    msg = str(e.value)
+    assert msg.startswith(f"mode: {mode!r}"), msg
+    assert "rollout_logits" in msg and "policy_loss_from_hidden" in msg and "pdm-topk-kl" in msg, msg
+    assert "pdm-full-tv" not in msg.split("modes that work", 1)[-1], msg
