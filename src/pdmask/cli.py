@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from .engine.registry import MissingExtra
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pdmask: trust-region masks for LLM RL (built-in trainer, comparisons, reports).")
 
@@ -67,10 +69,11 @@ def user_message(e: BaseException) -> str:
     return " ".join(msg.split())  # one line, whatever the message held
 
 
-#: Exceptions that are the user's to fix (a bad value, file, directory or disk), reported as
-#: one line with exit code 2 by every command (``PDMASK_TRACEBACK=1`` shows the traceback);
-#: anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, OSError)
+#: Exceptions that are the user's to fix (a bad value, file, directory or disk, an optional
+#: extra not installed), reported as one line with exit code 2 by every command
+#: (``PDMASK_TRACEBACK=1`` shows the traceback); anything else is a bug and keeps its
+#: traceback, a plain ImportError included.
+USER_ERRORS = (ValueError, OSError, MissingExtra)
 
 
 def user_errors(fn):

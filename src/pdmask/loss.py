@@ -28,7 +28,7 @@ from ._validate import (
 )
 from .keys import ESTIMATORS
 from .masks import (
-    SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
+    MODES, SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats, resolve_thresholds,
 )
 from .keys import BATCH_DDOT
 from .corrections import apply_corrections, check_corrections, is_weight
@@ -255,7 +255,7 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
                 eps_high, temperature, rollout_logits, chunk_size, validate, impl="auto",
                 batch_ddot=None, sampling_top_k=None, sampling_top_p=None, sampling_min_p=None,
                 rollout_kept_mask=None, hidden=None, lm_head_weight=None, chunk_cols=None,
-                counts: dict | None = None) -> MaskedBatch:
+                counts: dict | None = None, loss_is_cap: float | None = None) -> MaskedBatch:
     # every scalar argument is checked before any work on the logits
     mode_obj: MaskMode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
@@ -273,6 +273,8 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
                         response_mask, rollout_logits, validate, rollout_kept_mask, checks=checks)
     else:
         _check_hidden(hidden, lm_head_weight)
+        if checks is not None:  # else a bad weight shows only as non-finite rows of `hidden`
+            checks.add("lm_head_weight", "contains NaN or inf", ~torch.isfinite(lm_head_weight).all())
         batch = prepare_rows(tuple(hidden.shape[:-1]), lm_head_weight.shape[0], hidden.device, sampled_ids,
                              rollout_logprob, rollout_topk_ids, rollout_topk_logprobs, response_mask, None,
                              validate, rollout_kept_mask, checks=checks)
@@ -281,6 +283,8 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
     ddot = None if batch_ddot is None else _batch_direction(batch_ddot, batch, checks)
     if checks is not None:
         checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & batch.valid).any())
+        if loss_is_cap is not None:  # a loss follows (the mask alone reads only the sign of A)
+            _check_advantage_scale(checks, adv, batch, mode_obj.surrogate, loss_is_cap)
         for name, v in (counts or {}).items():
             check_count(name, v, checks)
         checks.run()
@@ -292,6 +296,32 @@ def _mask_batch(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_
         stats[BATCH_DDOT] = torch.where(batch.valid, ddot, torch.zeros_like(ddot))
     res = mask_from_stats(stats, adv, mode_obj, estimator=estimator, thresholds=th)
     return MaskedBatch(mode_obj, th, batch, adv, stats, res)
+
+
+def advantage_limit(surrogate: str, is_cap: float, dtype: torch.dtype) -> float:
+    """The largest ``sum |A|`` over the response tokens for which the loss cannot overflow
+    ``dtype`` (the loss's dtype: float32 for half-precision logits).
+
+    A token's loss is ``|A|`` times at most ``W`` (the IS weight's cap ``is_cap``, or
+    ``exp(MAX_LOG_RATIO)`` without a cap and for the PPO ratio of ``ppo-clip``) times, in
+    the DPPO surrogate, ``|log pi_k| <= |log tiny|`` (the floor of a probability the dtype
+    represents); the aggregate is at most their sum. :func:`policy_loss` refuses larger
+    advantages rather than return an inf/NaN loss."""
+    fi = torch.finfo(dtype)
+    cap = is_cap if math.isfinite(is_cap) else math.exp(MAX_LOG_RATIO)
+    w, lp = (math.exp(MAX_LOG_RATIO), 1.0) if surrogate == "ppo-clip" else (cap, -math.log(fi.tiny))
+    return fi.max / (w * lp)
+
+
+def _check_advantage_scale(checks: Checks, adv, batch: Batch, surrogate: str, is_cap: float) -> None:
+    x = batch.logits if batch.hidden is None else batch.hidden
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    limit = advantage_limit(surrogate, is_cap, dtype)
+    total = torch.where(batch.valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
+                                                                               device=adv.device)).sum()
+    checks.add("advantages", f"sum of |A| over the response tokens exceeds {limit:.3g}, beyond which the "
+               f"{str(dtype).removeprefix('torch.')} loss ({surrogate} surrogate, is_cap={is_cap:g}) could "
+               "overflow to inf/NaN; scale the advantages down (normalise them)", total > limit)
 
 
 def _check_counts(**counts) -> dict:
@@ -431,7 +461,7 @@ def policy_loss(
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=rollout_logits,
         chunk_size=chunk_size, validate=validate, impl=impl, batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
         sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask,
-        counts=counts)
+        counts=counts, loss_is_cap=spec.is_cap)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
 
@@ -465,10 +495,12 @@ def policy_loss_from_hidden(
             logit soft-capping.
         chunk_cols, chunk_rows: vocabulary columns / rows per chunk (None: 4 M logits).
         Everything else: as :func:`policy_loss`. Not available: ``rollout_logits`` (the
-        ``*-full-*`` modes) and ``impl`` (this path is plain torch).
+        ``*-full-*`` modes are refused, naming the modes that work) and ``impl`` (this path
+        is plain torch). A non-finite ``lm_head_weight`` is refused naming it.
 
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, sampled_ids, ...)``.
     """
+    _refuse_full_modes(mode)
     counts, spec = _check_loss_args(
         mode, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor,
         is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask, is_batch_normalize=is_batch_normalize,
@@ -480,9 +512,20 @@ def policy_loss_from_hidden(
         eps_low=eps_low, eps_high=eps_high, temperature=temperature, rollout_logits=None,
         chunk_size=chunk_rows, validate=validate, impl="torch", batch_ddot=batch_ddot, sampling_top_k=sampling_top_k,
         sampling_top_p=sampling_top_p, sampling_min_p=sampling_min_p, rollout_kept_mask=rollout_kept_mask,
-        hidden=hidden, lm_head_weight=lm_head_weight, chunk_cols=chunk_cols, counts=counts)
+        hidden=hidden, lm_head_weight=lm_head_weight, chunk_cols=chunk_cols, counts=counts,
+        loss_is_cap=spec.is_cap)
     return _loss(mb, spec, loss_agg=loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                  loss_scale_factor=loss_scale_factor)
+
+
+def _refuse_full_modes(mode) -> None:
+    """The ``*-full-*`` modes need the rollout's full logits, which the hidden path does not take."""
+    m = get_mode(mode)
+    if "full" in m.needs:
+        works = [name for name, mm in MODES.items() if "full" not in mm.needs]
+        raise ValueError(f"mode: {m.name!r} needs the rollout policy's full logits, and policy_loss_from_hidden "
+                         "has none (it takes no rollout_logits); use policy_loss(..., rollout_logits=...) for it, "
+                         f"or one of the modes that work here: {', '.join(works)}")
 
 
 def _loss(mb: MaskedBatch, spec, *, loss_agg, num_tokens, num_seqs, loss_scale_factor) -> PolicyLossOutput:

@@ -39,7 +39,8 @@ def test_cli_smoke(tmp_path):
     # the fidelity sweep's K is capped at V = 300, so 100 is the largest K
     assert max(map(int, doc["summary"]["fidelity"]["response"]["sign_agreement"])) == 100
     assert "## Definitions (ours)" in (out / "audit.md").read_text()
-    assert sorted(p.name for p in (out / "seeds").glob("seed-*.pt")) == ["seed-000000.pt", "seed-000001.pt"]
+    assert sorted(p.name for p in (out / "seeds").glob("seed-*")) == ["seed-000000.safetensors",
+                                                                      "seed-000001.safetensors"]
 
     # resumable per seed, in 2 worker processes: a third seed is added, the first two are reused
     res = subprocess.run(args[:args.index("--seeds")] + ["--seeds", "3", "--jobs", "2"] + args[args.index("--seeds") + 2:],

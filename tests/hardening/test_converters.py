@@ -283,6 +283,14 @@ SGLANG = [
     ("sampled differs from its top entry", sg_case(lambda m: m["output_token_logprobs"][0].__setitem__(0, -0.9)),
      r"^results: token id 3 appears twice at sequence 0, token 0 with different log-probs"),
     ("top rows short", sg_case(lambda m: m["output_top_logprobs"].pop()), r"^results: sequence 0: 1 top-log-prob rows"),
+    # a duplicate whose kept entry is -inf (a null log-prob): the tolerance must not become inf
+    ("duplicate after a -inf entry", sg_case(lambda m: m["output_top_logprobs"].__setitem__(
+        0, [[-0.2, 3, None], [None, 5, None], [-1.45, 5, None]])),
+     r"^results: token id 5 appears twice at sequence 0, token 0 with different log-probs \(-inf and -1\.45\)"),
+    ("sampled finite, its top entry null", sg_case(lambda m: (
+        m["output_token_logprobs"].__setitem__(0, [-1.45, 5, None]),
+        m["output_top_logprobs"].__setitem__(0, [[-0.2, 3, None], [None, 5, None]])), output_ids=[[5, 6]]),
+     r"^results: token id 5 appears twice at sequence 0, token 0 with different log-probs \(-inf and -1\.45\)"),
     ("output_ids float", lambda: from_sglang(sg_good(), k=2, output_ids=[[3, 6.0]]),
      r"^output_ids: sequence 0, token 1: token id must be an int"),
     ("output_ids None", lambda: from_sglang(sg_good(), k=2, output_ids=[[None, 6]]),
@@ -317,8 +325,28 @@ SGLANG = [
      r"^results: sequence 0: flat top log-probs cover 1 positions"),
 ]
 
+# sampling settings given as strings (a YAML or CLI value not converted): one line naming the key
+def _setting(name, value):
+    kind = "an int" if name == "top_k" else "a number"
+    return (f"{name} {value!r}", lambda: from_sglang(sg_good(), k=2, **{name: value}),
+            rf"^{name}: must be {kind} or None, got {re.escape(repr(value))}")
+
+
+def _vllm_setting(name, value, mode):
+    kind = "an int" if name == "top_k" else "a number"
+    return (f"vllm {mode} {name} {value!r}", lambda: from_vllm_logprobs(*vllm_good(), k=2, logprobs_mode=mode,
+                                                                         **{name: value}),
+            rf"^{name}: must be {kind} or None, got {re.escape(repr(value))}")
+
+
+SETTINGS = [_vllm_setting(n, v, m) for m in ("raw_logprobs", "processed_logprobs")
+            for n, v in (("temperature", "0.7"), ("top_k", "20"), ("top_p", "x"), ("min_p", "0"))]
+SETTINGS += [_setting(n, v) for n, v in (("temperature", "0.7"), ("top_p", "0.9"), ("top_k", "20"), ("min_p", "0.1"),
+                                        ("temperature", "hot"), ("top_k", 2.5), ("top_p", True),
+                                        ("min_p", float("nan")))]
+
 ALL = [("vllm", *c) for c in VLLM] + [("flat", *c) for c in FLAT] + [("ranked", *c) for c in RANKED] \
-    + [("sglang", *c) for c in SGLANG]
+    + [("sglang", *c) for c in SGLANG] + [("sglang-settings", *c) for c in SETTINGS]
 
 
 @pytest.mark.parametrize("kind,cid,fn,pattern", ALL, ids=[f"{c[0]}-{c[1]}" for c in ALL])

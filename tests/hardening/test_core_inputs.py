@@ -324,3 +324,86 @@ def test_validation_is_two_syncs_and_none_without_validate(monkeypatch):
     runs.clear()
     call(mode="pdm-full-kl", num_tokens=torch.tensor(6.0), batch_ddot=torch.zeros(B, T), validate=False)
     assert runs == []
+
+
+# ---------------------------------------------------------------- advantages too large for the loss dtype
+HUGE = [("1e38", torch.full((B, T), 1e38)), ("-1e38", torch.full((B, T), -1e38)),
+        ("mixed signs", torch.tensor([[1e38, -1e38, 1e38], [-1e38, 1e38, -1e38]])),
+        ("(B,) 1e37", torch.tensor([1e37, -1e37])), ("float64 1e300", torch.full((B, T), 1e300, dtype=torch.float64))]
+
+
+@pytest.mark.parametrize("mode", ["pdm-topk-kl", "grpo", "none", "dppo-binary-tv"])
+@pytest.mark.parametrize("cid,adv", HUGE, ids=[h[0] for h in HUGE])
+def test_advantages_that_would_overflow_the_loss_are_refused(cid, adv, mode):
+    """|A| so large that |A| times the surrogate's capped ratio term is not a float32 number:
+    refused up front (before the logits are read), never a silent inf/NaN loss."""
+    with pytest.raises(ValueError, match=r"^advantages: .*float32.*overflow") as e:
+        call(mode=mode, advantages=adv)
+    assert "\n" not in str(e.value)
+
+
+def test_advantages_below_the_bound_give_a_finite_loss_and_gradient():
+    """The bound is a guarantee: just below it the loss (and here its gradient) is finite;
+    in float64 the same 1e38 advantages are representable and accepted."""
+    from pdmask.loss import advantage_limit
+
+    for mode, surrogate in (("pdm-topk-kl", "dppo"), ("grpo", "ppo-clip")):
+        limit = advantage_limit(surrogate, 5.0, torch.float32)
+        adv = torch.full((B, T), 0.99 * limit / (B * T))
+        logits = good()["logits"].clone().requires_grad_()
+        out = call(mode=mode, logits=logits, advantages=adv)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(logits.grad).all(), mode
+    a = good()
+    out = call(logits=a["logits"].double(), advantages=torch.full((B, T), 1e38, dtype=torch.float64))
+    assert torch.isfinite(out.loss)
+
+
+def test_realistic_advantages_and_the_mask_alone_are_not_bounded():
+    """Normalised advantages are far below the bound; trust_region_mask uses the sign of A
+    only and takes any finite value."""
+    assert torch.isfinite(call(advantages=torch.full((B, T), 1e6)).loss)
+    m = call("trust_region_mask", advantages=torch.full((B, T), 1e38))
+    assert m.dtype == torch.bool
+
+
+# ---------------------------------------------------------------- the hidden-state path
+H = 8
+
+
+def hidden_call(hidden=None, weight=None, **kw):
+    a = good()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(B, T, H, generator=g) if hidden is None else hidden
+    w = torch.randn(V, H, generator=g) if weight is None else weight
+    return pdmask.policy_loss_from_hidden(h, w, *[a[k] for k in POLICY_ARGS[1:]], **kw)
+
+
+def _with(shape, pos, val):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    t[pos] = val
+    return t
+
+
+@pytest.mark.parametrize("cid,kw,arg", [
+    ("weight nan", dict(weight=_with((V, H), (3, 2), math.nan)), "lm_head_weight"),
+    ("weight +inf", dict(weight=_with((V, H), (0, 0), math.inf)), "lm_head_weight"),
+    ("weight -inf", dict(weight=_with((V, H), (9, 7), -math.inf)), "lm_head_weight"),
+    ("hidden nan", dict(hidden=_with((B, T, H), (1, 2, 0), math.nan)), "hidden"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_hidden_path_names_the_non_finite_argument(cid, kw, arg):
+    with pytest.raises(ValueError) as e:
+        hidden_call(**kw)
+    assert str(e.value).startswith(arg + ":"), str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["pdm-full-kl", "pdm-full-tv"])
+def test_hidden_path_refuses_the_full_vocabulary_modes(mode):
+    """policy_loss_from_hidden takes no rollout_logits: asking for them would name an
+    argument it does not accept. The error says why and which modes work."""
+    with pytest.raises(ValueError) as e:
+        hidden_call(mode=mode)
+    msg = str(e.value)
+    assert msg.startswith(f"mode: {mode!r}"), msg
+    assert "rollout_logits" in msg and "policy_loss_from_hidden" in msg and "pdm-topk-kl" in msg, msg
+    assert "pdm-full-tv" not in msg.split("modes that work", 1)[-1], msg

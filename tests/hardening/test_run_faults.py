@@ -320,6 +320,57 @@ def test_full_disk_is_one_line_naming_the_file(where, patch, name, tmp_path, smo
     one_line_error(code, out, err, name, "No space left on device", str(tmp_path / "full"))
 
 
+def _train_under_file_size_limit(tmp_path, smoke, smoke_cache, limit_bytes, *over):
+    """``pdmask train`` in a subprocess under ``ulimit -f`` (RLIMIT_FSIZE) with SIGXFSZ
+    ignored: a write past the limit fails with EFBIG (os error 27), as on a full quota."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONDONTWRITEBYTECODE="1")
+    args = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(smoke), f"out_dir={tmp_path}",
+            f"cache_dir={smoke_cache}", "name=full", "progress=false", *over]
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit)
+
+
+def test_checkpoint_past_the_file_size_limit_is_one_line(tmp_path, smoke, smoke_cache, base_run):
+    """safetensors reports the failed write as its own SafetensorError ('I/O error: File too
+    large (os error 27)'), not an OSError: still one line naming the file."""
+    r = _train_under_file_size_limit(tmp_path, smoke, smoke_cache, 150 * 1024, "steps=1", "checkpoint_every=1",
+                                     "tensorboard=false")
+    line = one_line_error(r.returncode, r.stdout, r.stderr, "File too large", str(tmp_path / "full"),
+                          ".safetensors")
+    assert "Traceback" not in r.stderr, line
+
+
+def test_tensorboard_event_file_past_the_size_limit_is_one_line(tmp_path, smoke, smoke_cache, base_run):
+    """The event file is written by TensorBoard's writer thread: its failure is one line
+    naming the event file, and the thread prints no traceback of its own."""
+    r = _train_under_file_size_limit(tmp_path, smoke, smoke_cache, 5000, "steps=4", "checkpoint_every=0",
+                                     "tensorboard=true")
+    line = one_line_error(r.returncode, r.stdout, r.stderr, "File too large", "events.out.tfevents.",
+                          str(tmp_path / "full" / "tb"))
+    assert "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, line
+
+
+@pytest.mark.parametrize("code,reason", [(errno.EFBIG, "File too large"), (errno.ENOSPC, "No space left on device")])
+def test_safetensors_io_error_names_the_file_by_errno(code, reason, tmp_path):
+    """The errno comes from safetensors' 'os error N', whatever the message's words."""
+    from safetensors import SafetensorError
+
+    from pdmask.train.rundir import writing
+
+    p = tmp_path / "m.safetensors"
+    with pytest.raises(OSError) as e, writing(p):
+        raise SafetensorError(f"Error while serializing: I/O error: whatever the OS said (os error {code})")
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (code, reason, str(p))
+    with pytest.raises(SafetensorError), writing(p):  # not an I/O error: left as it is
+        raise SafetensorError("Error while deserializing header: HeaderTooLarge")
+
+
 def test_full_disk_while_caching_the_sft_base(tmp_path, smoke, cli_run, monkeypatch):
     from transformers import PreTrainedModel
 

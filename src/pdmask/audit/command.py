@@ -1,7 +1,8 @@
 """What ``pdmask audit`` does (:func:`run_cli`): settings, seeds, workers, the report.
 
-Resumable per seed: each finished seed is written to ``OUT/seeds/seed-NNNNNN.pt``
-(atomically) next to ``OUT/seeds/settings.json``; a rerun with the same settings skips
+Resumable per seed: each finished seed is written to ``OUT/seeds/seed-NNNNNN.safetensors``
+(atomically; no pickles: the records as tensors, the rest as JSON in the file's metadata)
+next to ``OUT/seeds/settings.json``; a rerun with the same settings skips
 the seeds already there (``fresh=True`` starts over), a rerun with other settings is
 refused. ``jobs = N`` runs the seeds in N worker processes (``threads`` torch threads
 each) and writes the report when all are done; each worker logs to
@@ -136,25 +137,74 @@ def check_not_empty(results) -> None:
                          "would be empty, none were written (lower --delta, add --lag or a coarser --precision)")
 
 
+#: the ``format`` in every seed file's safetensors metadata
+SEED_FORMAT = "pdmask-audit-seed/1"
+
+
 def seed_path(d: Path, seed: int) -> Path:
-    return d / f"seed-{seed:06d}.pt"
+    return d / f"seed-{seed:06d}.safetensors"
+
+
+def _old_seed_path(d: Path, seed: int) -> Path:
+    return d / f"seed-{seed:06d}.pt"  # the pickle format of earlier versions: never loaded
+
+
+def pending_seeds(d: Path, seeds: list[int], warn=None) -> list[int]:
+    """The seeds of ``seeds`` without a seed file in ``d``. A seed whose only file is of the
+    old pickle format (``seed-NNNNNN.pt``) is among them: it is recomputed, the old file is
+    never unpickled (``warn`` is told which)."""
+    todo = [s for s in seeds if not seed_path(d, s).exists()]
+    old = [_old_seed_path(d, s).name for s in todo if _old_seed_path(d, s).exists()]
+    if old and warn is not None:
+        more = f" and {len(old) - 1} more" if len(old) > 1 else ""
+        warn(f"audit: {old[0]}{more} in {d} are of the old pickle format: ignored (never unpickled), "
+             "their seeds are recomputed")
+    return todo
 
 
 def save_seed(d: Path, r) -> None:
-    import torch
+    """One safetensors file per seed: the per-token records as tensors, the rest as JSON in
+    its metadata (:func:`pdmask.train.checkpoint.encode_tree`, as in the checkpoints), written
+    to a temporary name and renamed, so a seed file is whole or absent."""
+    from safetensors.torch import save_file
 
+    from ..train.checkpoint import encode_tree
+    from ..train.rundir import writing
+
+    tensors: dict = {}
+    tree = encode_tree({"seed": r.seed, "info": r.info, "tokens": r.tokens, "entropy": r.entropy,
+                        "fidelity": r.fidelity}, tensors)
     tmp = d / f".seed-{r.seed:06d}.tmp"
-    torch.save({"seed": r.seed, "info": r.info, "tokens": r.tokens, "entropy": r.entropy, "fidelity": r.fidelity}, tmp)
+    with writing(tmp):
+        save_file(tensors, str(tmp), metadata={"format": SEED_FORMAT, "tree": json.dumps(tree)})
     tmp.rename(seed_path(d, r.seed))
 
 
 def load_seed(path: Path):
-    import torch
+    """A seed file written by :func:`save_seed` (nothing is unpickled); an unreadable one is a
+    ValueError naming it."""
+    from safetensors import safe_open
 
+    from ..train.checkpoint import decode_tree
     from .runner import SeedResult
 
-    x = torch.load(path, weights_only=False)
-    return SeedResult(x["seed"], x["info"], x["tokens"], x["entropy"], x["fidelity"])
+    def bad(why):
+        return ValueError(f"out: {str(path)!r} is not a readable audit seed file ({why}); delete it to "
+                          "recompute that seed, or pass --fresh")
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types on a bad header
+        raise bad(" ".join(str(e).split()) or type(e).__name__) from None
+    if meta.get("format") != SEED_FORMAT:
+        raise bad(f"format {meta.get('format')!r}, expected {SEED_FORMAT!r}")
+    try:
+        x = decode_tree(json.loads(meta["tree"]), tensors)
+        return SeedResult(x["seed"], x["info"], x["tokens"], x["entropy"], x["fidelity"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"{type(e).__name__}: {e}") from None
 
 
 def _audit_seeds(a: dict, tcfg, cfg, d: Path, todo: list[int], console, progress: bool) -> dict:
@@ -241,7 +291,7 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     t0 = time.time()
     d = _seed_dir(Path(out), _fingerprint(a, tcfg, cfg), fresh)
     all_seeds = list(range(seed_offset, seed_offset + seeds))
-    todo = [s for s in all_seeds if not seed_path(d, s).exists()]
+    todo = pending_seeds(d, all_seeds, warn=lambda m: console.print(m, soft_wrap=True))
     if len(todo) < len(all_seeds):
         console.print(f"audit: resuming, {len(all_seeds) - len(todo)} of {len(all_seeds)} seeds already in {d}")
     if jobs > 1 and len(todo) > 1:

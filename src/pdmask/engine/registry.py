@@ -9,7 +9,9 @@ share storage with it). Adding the vLLM backend is one call::
     register_engine("vllm", make_vllm_engine)
 
 Backends named in :data:`LAZY` are imported on first use, so heavy dependencies are
-only needed when that backend is selected. :func:`build_engine` is the same call with
+only needed when that backend is selected; a missing one is a :class:`MissingExtra`
+(an ``ImportError`` naming the extra to install), which :func:`check_backend` raises
+before any work. :func:`build_engine` is the same call with
 its arguments read from a trainer config (the built-in trainer and the audit use it).
 """
 
@@ -21,6 +23,16 @@ from typing import Callable
 from .base import RolloutEngine
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+class MissingExtra(ImportError):
+    """An optional extra is not installed (or does not import): the message names it and
+    how to install it, e.g. ``pip install 'pdmask[vllm]'``. A user error, not a bug: the
+    CLI prints it as one line (:data:`pdmask.cli.USER_ERRORS`)."""
+
+    def __init__(self, extra: str, message: str):
+        super().__init__(message)
+        self.extra = extra
 
 #: backend name -> module that calls ``register_engine`` for it when imported.
 LAZY: dict[str, str] = {"vllm": "pdmask.engine.vllm"}
@@ -36,14 +48,34 @@ def engine_names() -> list[str]:
     return sorted(set(ENGINES) | set(LAZY))
 
 
+def check_backend(name: str) -> None:
+    """``name`` is a backend whose dependencies are installed, checked before any work: a
+    lazy backend's module is imported (it imports no engine) and its ``check_installed()``
+    raises :class:`MissingExtra` when the extra is missing."""
+    if name not in ENGINES and name in LAZY:
+        _import_lazy(name)
+    if name not in ENGINES:
+        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    if name in LAZY:
+        check = getattr(importlib.import_module(LAZY[name]), "check_installed", None)
+        if check is not None:
+            check()
+
+
+def _import_lazy(name: str) -> None:
+    try:
+        importlib.import_module(LAZY[name])
+    except MissingExtra:
+        raise
+    except ImportError as e:
+        raise ValueError(f"engine: backend {name!r} is not available ({e})") from e
+
+
 def make_engine(name: str, model, *, tokenizer=None, eos_id: int, pad_id: int, precision: str = "fp32",
                 temperature: float = 1.0, top_k_logprobs: int = 20, **options) -> RolloutEngine:
     """Build the rollout engine ``name`` (``hf``; ``vllm`` when its backend is installed)."""
     if name not in ENGINES and name in LAZY:
-        try:
-            importlib.import_module(LAZY[name])
-        except ImportError as e:
-            raise ValueError(f"engine: backend {name!r} is not available ({e})") from e
+        _import_lazy(name)
     if name not in ENGINES:
         raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
     return ENGINES[name](model, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id, precision=precision,

@@ -16,6 +16,7 @@ conversion or the type test fails.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 
@@ -64,6 +65,23 @@ def logprob(x, arg: str, where: str, field: str = "log-prob", none=None) -> floa
     if not is_real(x):
         fail(arg, where, f"{field} must be a number, got {x!r} ({_tname(x)})")
     return float(x)
+
+
+def setting(name: str, v, default, *, integer: bool = False):
+    """A sampling setting (``temperature``, ``top_p``, ``top_k``, ...): ``default`` for
+    None, else a real number (an int for ``integer``); a string, bool or NaN is refused
+    with one line naming the setting (a YAML or command-line value left unconverted)."""
+    if v is None:
+        return default
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dtype != torch.bool and not v.is_complex():
+        v = v.item()
+    if integer:
+        if not is_int(v):
+            fail(name, "", f"must be an int or None, got {v!r} ({_tname(v)})")
+        return int(v)
+    if not is_real(v) or math.isnan(v):
+        fail(name, "", f"must be a number or None, got {v!r} ({_tname(v)})")
+    return float(v)
 
 
 def as_sequence(x, arg: str, where: str, what: str) -> Sequence:

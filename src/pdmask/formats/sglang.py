@@ -57,19 +57,23 @@ def check_sglang_semantics(
 ) -> None:
     """Warn (:class:`EngineSemanticsWarning`) when SGLang's log-probs are not those of the
     sampling distribution: ``return_original_logprob`` with T != 1, or any top-k / top-p /
-    min-p truncation (SGLang reports the untruncated distribution)."""
-    T = 1.0 if temperature is None else float(temperature)
+    min-p truncation (SGLang reports the untruncated distribution). A setting that is not a
+    number (an unconverted string) is a ValueError naming it."""
+    T = C.setting("temperature", temperature, 1.0)
+    top_p = C.setting("top_p", top_p, None)
+    top_k = C.setting("top_k", top_k, None, integer=True)
+    min_p = C.setting("min_p", min_p, None)
     if return_original_logprob and T > 0 and abs(T - 1.0) > 1e-6:
         warnings.warn(
             f"SGLANG_RETURN_ORIGINAL_LOGPROB makes SGLang report log_softmax(logits) BEFORE temperature, but the "
             f"tokens were sampled at temperature={T:g}: ratios, divergences and masks would be wrong. Unset it, "
             "or sample at temperature 1.", EngineSemanticsWarning, stacklevel=stacklevel)
     trunc = []
-    if top_p is not None and float(top_p) < 1.0:
+    if top_p is not None and top_p < 1.0:
         trunc.append(f"top_p={top_p:g}")
-    if top_k is not None and 0 < int(top_k) < (1 << 30):
-        trunc.append(f"top_k={int(top_k)}")
-    if min_p is not None and float(min_p) > 0.0:
+    if top_k is not None and 0 < top_k < (1 << 30):
+        trunc.append(f"top_k={top_k}")
+    if min_p is not None and min_p > 0.0:
         trunc.append(f"min_p={min_p:g}")
     if trunc:
         warnings.warn(

@@ -19,7 +19,7 @@ Rules of :func:`assemble`, per position:
    first with its own rank, once at its top-K place; SGLang's sampled token is merged
    with its top-K entry the same way). Their log-probs must agree within the core's
    rounding tolerance (``|a - b| <= MATCH_ATOL + MATCH_RTOL |b|``, see
-   :mod:`pdmask._validate`); the kept entry's value is used. Duplicates with different
+   :mod:`pdmask._validate`; ``-inf`` matches only ``-inf``); the kept entry's value is used. Duplicates with different
    log-probs are an error naming the position: there is no right one to pick.
 2. The sampled token's log-prob is read from its own entry; a position without one is
    an error (the engine always reports it, so its absence means misaligned inputs).
@@ -171,7 +171,10 @@ def _merge_duplicates(pos, ids, logprobs, ranks, lay: _Layout, arg: str):
         lp = logprobs[o]
         head = torch.cumsum(first.long(), 0) - 1  # group of each sorted entry
         kept = lp[first][head]  # the group's kept value, per entry
-        same = (lp == kept) | ((lp - kept).abs() <= MATCH_ATOL + MATCH_RTOL * kept.abs())
+        # the relative tolerance only between finite values: with kept = -inf it is inf and
+        # would accept any duplicate (a -inf and a finite log-prob are never one number)
+        close = (lp - kept).abs() <= MATCH_ATOL + MATCH_RTOL * kept.abs()
+        same = (lp == kept) | (close & torch.isfinite(kept) & torch.isfinite(lp))
         if not bool(same.all()):
             j = int((~same).nonzero()[0, 0])
             raise ValueError(

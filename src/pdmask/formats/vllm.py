@@ -32,7 +32,6 @@ token was actually sampled from, which is what the trust region must be anchored
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -54,14 +53,6 @@ class EngineSemanticsWarning(UserWarning):
 
 
 # ---------------------------------------------------------------- semantics
-def _num(name, v, default):
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise ValueError(f"{name}: must be a number, got {v!r}")
-    return float(v)
-
-
 def check_sampling_semantics(
     *,
     logprobs_mode: str | None,
@@ -85,7 +76,14 @@ def check_sampling_semantics(
       applied (and the penalty).
     - ``processed_logprobs``: fine; truncated tokens come back as ``-inf`` and the kept
       mass is renormalised (documented, not warned).
+
+    A setting that is not a number (an unconverted string, a bool, NaN) is a ValueError
+    naming it, in every mode.
     """
+    T = C.setting("temperature", temperature, 1.0)  # each setting a number, whatever the mode
+    top_p, min_p = C.setting("top_p", top_p, 1.0), C.setting("min_p", min_p, 0.0)
+    top_k = C.setting("top_k", top_k, None, integer=True)
+    repetition_penalty = C.setting("repetition_penalty", repetition_penalty, 1.0)
     if logprobs_mode is None:
         return
     if logprobs_mode not in LOGPROBS_MODES:
@@ -97,7 +95,6 @@ def check_sampling_semantics(
             "start the engine with logprobs_mode='processed_logprobs'")
     if logprobs_mode != "raw_logprobs":
         return
-    T = _num("temperature", temperature, 1.0)
     if T > 0 and abs(T - 1.0) > 1e-6:
         warnings.warn(
             f"{engine} logprobs_mode='raw_logprobs' reports log_softmax(logits) BEFORE temperature, but the "
@@ -106,13 +103,13 @@ def check_sampling_semantics(
             "logprobs_mode='processed_logprobs' (vllm serve --logprobs-mode processed_logprobs), or sample "
             "at temperature 1.", EngineSemanticsWarning, stacklevel=stacklevel)
     trunc = []
-    if _num("top_p", top_p, 1.0) < 1.0:
+    if top_p < 1.0:
         trunc.append(f"top_p={top_p:g}")
-    if top_k is not None and int(top_k) > 0:
-        trunc.append(f"top_k={int(top_k)}")
-    if _num("min_p", min_p, 0.0) > 0.0:
+    if top_k is not None and top_k > 0:
+        trunc.append(f"top_k={top_k}")
+    if min_p > 0.0:
         trunc.append(f"min_p={min_p:g}")
-    if abs(_num("repetition_penalty", repetition_penalty, 1.0) - 1.0) > 1e-6:
+    if abs(repetition_penalty - 1.0) > 1e-6:
         trunc.append(f"repetition_penalty={repetition_penalty:g}")
     if trunc:
         warnings.warn(

@@ -93,12 +93,19 @@ def _rng_from_json(d: dict, torch_state: torch.Tensor) -> dict:
 def encode_tree(obj, tensors: dict[str, torch.Tensor]):
     """A JSON-able copy of ``obj`` with each tensor moved into ``tensors`` (by key).
 
-    Tuples and dicts with non-string keys (an optimizer's ``state`` is keyed by int) are
-    tagged so that :func:`decode_tree` rebuilds exactly the same types."""
+    Tuples, dicts with non-string keys (an optimizer's ``state`` is keyed by int), NumPy
+    arrays (stored as tensors) and NumPy scalars are tagged so that :func:`decode_tree`
+    rebuilds exactly the same types."""
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
         tensors[key] = obj.detach().contiguous().clone()
         return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj)).clone()
+        return {"__ndarray__": key}
+    if isinstance(obj, np.generic):
+        return {"__npscalar__": [obj.dtype.str, encode_tree(obj.item(), tensors)]}
     if isinstance(obj, dict):
         return {"__dict__": [[encode_tree(k, tensors), encode_tree(v, tensors)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
@@ -118,6 +125,11 @@ def decode_tree(obj, tensors: dict[str, torch.Tensor]):
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy()
+        if "__npscalar__" in obj:
+            dtype, value = obj["__npscalar__"]
+            return np.dtype(dtype).type(decode_tree(value, tensors))
         if "__dict__" in obj:
             return {decode_tree(k, tensors): decode_tree(v, tensors) for k, v in obj["__dict__"]}
         if "__tuple__" in obj:

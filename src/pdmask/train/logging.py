@@ -3,6 +3,10 @@
 Every record has ``step`` (completed RL steps; 0 is the SFT base before any update).
 On resume the JSONL is cut back to the checkpoint's step and TensorBoard is opened
 with ``purge_step`` so that re-run steps replace, not duplicate, the lost ones.
+
+A write that fails (a full disk, a file-size limit) is an ``OSError`` naming the file,
+TensorBoard's event file included: its writer thread keeps the error (it prints no
+traceback of its own) and :class:`RunLogger` raises it at the step it happened.
 """
 
 from __future__ import annotations
@@ -46,17 +50,73 @@ def _clean(v):
     return v
 
 
+class _GuardedRecords:
+    """The record writer of TensorBoard's writer thread, made to keep an ``OSError`` (a full
+    disk, a file-size limit) instead of raising it in the thread: raised there, it prints
+    the thread's traceback and reaches the caller later without a file name.
+    :class:`RunLogger` raises the kept error in the main thread, naming the event file."""
+
+    def __init__(self, inner):
+        self.inner, self.error = inner, None
+
+    def _call(self, fn, *args):
+        if self.error is None:  # after a failure nothing more is written
+            try:
+                fn(*args)
+            except OSError as e:
+                self.error = e
+
+    def write(self, data):
+        self._call(self.inner.write, data)
+
+    def flush(self):
+        self._call(self.inner.flush)
+
+    def close(self):
+        try:
+            self.inner.close()
+        except OSError as e:
+            self.error = self.error or e
+
+
+def _guard_events(tb) -> tuple[_GuardedRecords | None, Path | None]:
+    """Put :class:`_GuardedRecords` between TensorBoard's writer thread and its event file;
+    returns it and the event file's path (None, None where TensorBoard's internals differ:
+    its errors then still name the ``tb`` directory)."""
+    ew = getattr(tb._get_file_writer(), "event_writer", None)
+    aw = getattr(ew, "_async_writer", None)
+    worker = getattr(aw, "_worker", None)
+    if worker is None or not hasattr(aw, "_writer") or not hasattr(worker, "_record_writer"):
+        return None, None
+    guard = _GuardedRecords(aw._writer)
+    aw._writer = worker._record_writer = guard
+    name = getattr(ew, "_file_name", None)
+    return guard, Path(name) if name else None
+
+
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, purge_step: int | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self._f = open(self.path, "a")
-        self.tb = None
+        self.tb = self._guard = None
+        self.events = self.dir / "tb"  # the event file once TensorBoard has made it
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=purge_step)
+            with writing(self.events):
+                self.tb = SummaryWriter(str(self.events), purge_step=purge_step)
+                self.tb.flush()  # the first events written while this thread waits
+            self._guard, events = _guard_events(self.tb)
+            self.events = events or self.events
+
+    def _tb_written(self) -> None:
+        """Every event so far on disk; a failed write raised here, naming the event file."""
+        with writing(self.events):
+            self.tb.flush()
+            if self._guard is not None and self._guard.error is not None:
+                raise self._guard.error
 
     def log(self, record: dict) -> None:
         rec = {k: _clean(v) for k, v in record.items()}
@@ -65,12 +125,15 @@ class RunLogger:
             self._f.flush()
         if self.tb is not None:
             step = int(record["step"])
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+            with writing(self.events):
+                for k, v in record.items():
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                        self.tb.add_scalar(k, v, step)
+            self._tb_written()  # once per record: a full disk is reported at the step it happened
 
     def close(self) -> None:
         self._f.close()
         if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
+            self._tb_written()
+            with writing(self.events):
+                self.tb.close()

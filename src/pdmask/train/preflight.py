@@ -5,7 +5,8 @@
 the machine and the files they name:
 
 - :func:`check_environment` (called by :func:`pdmask.train.sft.ensure_sft_checkpoint`, so
-  the trainer, ``compare`` and the audit all get it, before the SFT warm start): ``device`` exists, ``train_file`` /
+  the trainer, ``compare`` and the audit all get it, before the SFT warm start): ``device`` exists, the
+  ``engine`` backend's optional extra is installed, ``train_file`` /
   ``eval_file`` are readable files, ``model_path`` is a model directory whose
   ``config.json`` and tokenizer load, the SFT cache can be written (when it must be), the
   reward function takes ``(response_text, answer)``.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.registry import check_backend
 from .named_models import gguf_path, is_named
 from .rundir import check_writable_dir
 
@@ -122,6 +124,7 @@ def check_environment(cfg) -> None:
     the SFT cache is checked by :func:`pdmask.train.sft.ensure_sft_checkpoint` with
     :func:`check_cache` when it must be written)."""
     check_device(cfg.device)
+    check_backend(cfg.engine)  # a backend's optional extra (engine=vllm: vLLM) is installed
     if cfg.task == "jsonl":
         check_file("train_file", cfg.train_file)
         if cfg.eval_file:

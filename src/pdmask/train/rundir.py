@@ -6,7 +6,9 @@ their file when the disk says no, and file modes that follow the umask.
   holds it. The kernel drops the lock when its holder exits, however it exits (SIGKILL
   included), so a stale ``.lock`` file never blocks a later run.
 - :func:`writing` re-raises an ``OSError`` that carries no file name (a ``write`` hitting
-  a full disk, ``ENOSPC``) with the file's name, so the CLI can print one line naming it.
+  a full disk, ``ENOSPC``, or a file-size limit, ``EFBIG``) with the file's name, so the
+  CLI can print one line naming it; safetensors' own I/O error (a ``SafetensorError``
+  ending in ``(os error N)``) becomes the same ``OSError``, its errno read from ``N``.
 - :func:`share_like_umask` gives files ``0666 & ~umask`` and directories ``0777 & ~umask``
   (safetensors writes 0600), so a shared SFT cache is readable by the other users.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -95,11 +98,24 @@ def writing(path: str | Path):
             raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
         raise
     except Exception as e:
-        # safetensors reports I/O failures as its own SafetensorError ("IoError(Os { code: 28 ...")
-        if type(e).__name__ != "SafetensorError" or "Io" not in str(e):
+        # safetensors reports a failed write as its own SafetensorError, not an OSError
+        code = _safetensors_errno(e)
+        if code is None:
             raise
-        code = errno.ENOSPC if ("StorageFull" in str(e) or "code: 28" in str(e)) else errno.EIO
         raise OSError(code, os.strerror(code), str(path)) from e
+
+
+#: the OS error number in safetensors' message: "I/O error: File too large (os error 27)"
+#: (0.5 and later) or the Rust debug form "IoError(Os { code: 28, ... })" (older releases)
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|\bOs \{ code: (\d+)")
+
+
+def _safetensors_errno(e: BaseException) -> int | None:
+    """The errno of a safetensors I/O failure (EFBIG, ENOSPC, ...), None for any other error."""
+    if type(e).__name__ != "SafetensorError":
+        return None
+    m = _OS_ERROR.search(str(e))
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def umask() -> int:

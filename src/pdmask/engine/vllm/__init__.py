@@ -5,9 +5,9 @@ vLLM itself is imported only when an engine is built."""
 
 from ..registry import register_engine
 from .engine import VLLMEngine, make_vllm_engine
-from .support import INSTALL_HINT, PRECISIONS, import_vllm, parse_flat_prompt_logprobs, request_seeds
+from .support import INSTALL_HINT, PRECISIONS, check_installed, import_vllm, parse_flat_prompt_logprobs, request_seeds
 
-__all__ = ["INSTALL_HINT", "PRECISIONS", "VLLMEngine", "import_vllm", "make_vllm_engine",
+__all__ = ["INSTALL_HINT", "PRECISIONS", "VLLMEngine", "check_installed", "import_vllm", "make_vllm_engine",
            "parse_flat_prompt_logprobs", "request_seeds"]
 
 register_engine("vllm", make_vllm_engine)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..registry import MissingExtra
+
 #: precision name -> (vLLM dtype, vLLM quantization). ``fp8`` / ``fp8-bf16`` are vLLM's own
 #: online fp8 quantisation (bf16 activations; W8A8 on GPUs with fp8 matmuls), not the HF
 #: engine's simulated weight-only round trip.
@@ -30,6 +32,15 @@ INSTALL_HINT = (
 )
 
 
+def check_installed() -> None:
+    """:class:`~pdmask.engine.registry.MissingExtra` now when vLLM is not installed (found
+    without importing it: a broken install is only known at :func:`import_vllm`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise MissingExtra("vllm", f"{INSTALL_HINT} (no module named 'vllm')")
+
+
 def import_vllm():
     """Import vLLM lazily, with the environment this backend expects (see module doc)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -37,7 +48,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:  # also raised when torchvision & co. are broken on CPU
-        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from e
+        raise MissingExtra("vllm", f"{INSTALL_HINT} (import failed: {e})") from e
     return vllm
 
 
