@@ -212,6 +212,35 @@ def report(
         console.print(f"wrote {p}")
 
 
+@app.command("task-stats")
+def task_stats_command(
+    overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value"),
+    config: Optional[str] = typer.Option(None, "--config", help="trainer YAML preset (a path or a name in configs/)"),
+    model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory or a named "
+                                                              "source (smollm2-135m); sets model_path"),
+    precisions: str = typer.Option("bf16,fp8", "--precisions", help="engine precisions to measure (comma-separated)"),
+    batches: int = typer.Option(8, "--batches", help="GRPO batches per precision (batch i: sampling seed i)"),
+    out: str = typer.Option("task-stats", "--out", help="output directory (task_stats.json, task_stats.md)"),
+):
+    """Before training: the task's accuracy, groups with A != 0, finish rate, the policy's
+    tail beyond the top-K and each engine's top-K KL quantiles (what a delta is chosen from)."""
+    import shlex
+    import sys
+
+    from .train.task_stats import task_stats, write_task_stats
+
+    cfg = _load(config, overrides, model)
+    console = _console()
+    try:
+        doc = task_stats(cfg, precisions=[p.strip() for p in precisions.split(",") if p.strip()], batches=batches,
+                         console=console)
+        files = write_task_stats(doc, out, "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+    except ValueError as e:
+        _fail(e)
+    for f in files:
+        console.print(f"wrote {f}")
+
+
 @app.command()
 def ladder(
     overrides: Optional[List[str]] = typer.Argument(None, help="config overrides key=value applied to every run "

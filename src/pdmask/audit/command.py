@@ -38,6 +38,10 @@ def _configs(a: dict):
     if a["jobs"] < 1:
         raise ValueError(f"jobs: must be >= 1, got {a['jobs']}")
     over = list(a["set_"])
+    if a["model"] and not is_run_dir(a["model"]):
+        # the model is the trainer config's model (no SFT on top): its checks (a model directory
+        # or an installed named source, a chat template when asked for) run before any work
+        over = [f"model_path={a['model']}", "sft_steps=0", *over]
     for key, val in (("engine_precision", a["precision"]), ("temperature", a["temperature"]), ("top_k", a["top_k"])):
         if val is not None:
             over.append(f"{key}={val}")

@@ -241,6 +241,7 @@ def markdown(doc: dict) -> str:
     L += fidelity_md(S["fidelity"], cfg) + entropy_md(S["entropy"])
     L += ["## Cost", ""] + cost_table(seeds) + [""]
     L += ["## Plots", "", "![rates](rates.png)", "", "![fidelity](fidelity.png)", "", "![scatter](scatter.png)", ""]
+    L += rollouts_md(seeds)
     L += ["## Per seed", "", "| seed | tokens | active (A != 0) | O | disagreement | measured (sample / dis.) | "
           "reward | loss | mean D |", "|---|---|---|---|---|---|---|---|---|"]
     for s in seeds:
@@ -249,6 +250,21 @@ def markdown(doc: dict) -> str:
                  f"{s['n_disagreement'][headline]} | {s['n_sample']} / {s['n_disagreement_measured']} | "
                  f"{rew} | {s['loss']:.4g} | {s['divergence_mean']:.4g} |")
     return "\n".join(L) + "\n"
+
+
+def rollouts_md(seeds: list[dict]) -> list[str]:
+    """The task at the audited temperature, over the audited batches (mean, min-max over seeds)."""
+    rows = [("accuracy (mean reward; 0/1 rewards)", "reward_mean"),
+            ("groups with A != 0", None), ("responses that end within the budget", "finished_frac"),
+            ("engine mass beyond its top-K, mean over response tokens", "tail_beyond_topk")]
+    L = ["## Rollouts", "", f"Over the {len(seeds)} audited batches: mean (min - max over seeds).", "",
+         "| quantity | value |", "|---|---|"]
+    for label, key in rows:
+        vals = [1.0 - s["flat_group_frac"] if key is None else s.get(key) for s in seeds]
+        if key is None and any("flat_group_frac" not in s for s in seeds) or any(v is None for v in vals):
+            continue
+        L.append(f"| {label} | {sum(vals) / len(vals):.3g} ({min(vals):.3g} - {max(vals):.3g}) |")
+    return L + [""]
 
 
 def headline_table(doc: dict) -> list[str]:

@@ -92,6 +92,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
         if done["optimizer"]:
             opt_state = copy.deepcopy(S.optimizer.state_dict())
             ck["optimizer_state"] = "the run's AdamW state"
+    eos_id = S.tokenizer.eos_token_id
     policy.eval()  # no dropout: the audit's numbers must not depend on a dropout draw
     G = tcfg.group_size
 
@@ -104,7 +105,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
         if console is not None and (flat := zero_advantage_warning(ro)) is not None:
             console.print(f"[yellow]warning:[/yellow] seed {seed}: {flat}", soft_wrap=True)
         return ro.batch, ro.advantages, {"reward_mean": float(ro.rewards.mean()),
-                                         "flat_group_frac": float(ro.flat_group_frac)}
+                                         "flat_group_frac": float(ro.flat_group_frac), **rollout_shape(ro, eos_id)}
 
     lag_info = []
     if lag:
@@ -116,6 +117,18 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
             "lag": lag, "lag_steps": lag_info, "prompts_per_step": tcfg.prompts_per_step, "group_size": G,
             "max_new_tokens": tcfg.max_new_tokens, "task": tcfg.task, "threads": tcfg.threads}
     return Source(policy, engine, response_logits, sample, opt_state, json.loads(json.dumps(info, default=str)))
+
+
+def rollout_shape(ro, eos_id: int) -> dict:
+    """What a rollout batch says about the task at this temperature: the share of responses
+    that end (write EOS within the budget) and the engine's probability mass beyond its
+    reported top-K, mean over response tokens (``1 - sum_k mu_k``)."""
+    b = ro.batch
+    m = b.response_mask.bool()
+    ended = ((b.response_ids == eos_id) & m).any(1)  # (B,)
+    tail = (1.0 - b.topk_logprobs.double().exp().sum(-1)).clamp_min(0.0)  # (B, T)
+    return {"finished_frac": float(ended.float().mean()),
+            "tail_beyond_topk": float(tail[m].mean()) if bool(m.any()) else 0.0}
 
 
 def load_config_value(path: Path, key: str):
