@@ -62,6 +62,9 @@ def test_one_line_and_groups():
     assert line.startswith(f"Environment: torch {torch.__version__}, ") and "commit 0123456789ab (dirty)" in line
     assert "1 torch thread(s) per run" in line and line.endswith("ATEN_CPU_CAPABILITY=avx2.")
     assert E.one_line(None) == "Environment: not recorded."
+    assert E.one_line(env | {"source": "the runs"}) == line
+    assert E.one_line(env | {"source": "the process that wrote this summary"}).startswith(
+        "Environment (that of the process that wrote this summary): torch ")
     g = E.runs_environments([{"run": "a", "environment": env}, {"run": "b"}, {"run": "c", "environment": env}])
     assert g == [{"environment": env, "runs": ["a", "c"]}, {"environment": None, "runs": ["b"]}]
     assert "2 different environments" in E.environments_line(g) and E.environments_line(g[:1]) == ""

@@ -120,7 +120,8 @@ def one_line(env: dict | None) -> str:
     thr = env.get("threads")
     thr = f"{thr} torch thread(s) per run" if thr is not None else f"{env.get('torch_threads')} torch thread(s)"
     extra = "; " + ", ".join(f"{k}={v}" for k, v in env["env"].items()) if env.get("env") else ""
-    return (f"Environment: {vers}; python {env.get('python')}; CPU capability {env.get('cpu_capability')}, "
+    src = f" (that of {env['source']})" if env.get("source") and env["source"] != "the runs" else ""
+    return (f"Environment{src}: {vers}; python {env.get('python')}; CPU capability {env.get('cpu_capability')}, "
             f"{thr}, {env.get('cpu_model')} ({env.get('cpu_count')} CPUs); {env.get('os')}; {commit}{extra}.")
 
 
