@@ -18,7 +18,7 @@ TINY = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=
 
 
 @pytest.mark.slow
-def test_cli_smoke(tmp_path):
+def test_cli_smoke(tmp_path, check_environment):
     out = tmp_path / "audit"
     args = [sys.executable, "-m", "pdmask.cli", "audit", "--out", str(out), "--seeds", "2",
             "--precision", "fp8-bf16", "--delta", "1e-4", "--sample-tokens", "2", "--disagreement-tokens", "2",
@@ -39,6 +39,8 @@ def test_cli_smoke(tmp_path):
     # the fidelity sweep's K is capped at V = 300, so 100 is the largest K
     assert max(map(int, doc["summary"]["fidelity"]["response"]["sign_agreement"])) == 100
     assert "## Definitions (ours)" in (out / "audit.md").read_text()
+    check_environment(doc["environment"], threads=1)  # the trainer config's threads (TINY)
+    assert f"Environment: torch {doc['environment']['packages']['torch']}" in (out / "audit.md").read_text()
     assert sorted(p.name for p in (out / "seeds").glob("seed-*")) == ["seed-000000.safetensors",
                                                                       "seed-000001.safetensors"]
 

@@ -93,7 +93,7 @@ def test_bad_inputs_are_value_errors(setup):
     assert effective_ks((1, 5, 100, 200), 50) == [1, 5, 50]
 
 
-def test_run_and_report(setup, tmp_path):
+def test_run_and_report(setup, tmp_path, check_environment):
     pol, eng = setup
     cfg = _cfg(divergence="topk_tv", delta_low=0.02, delta_high=0.02)
     res = run_audit(pol, bigram_forward, lambda s: (*sample_batch(eng, seed=s), {"note": "toy"}), [0, 1], cfg,
@@ -104,6 +104,7 @@ def test_run_and_report(setup, tmp_path):
         assert (tmp_path / f).stat().st_size > 0, f
     doc = json.loads((tmp_path / "audit.json").read_text())
     assert doc["settings"]["audit"]["divergence"] == "topk_tv"
+    check_environment(doc["environment"], threads=None)  # no trainer config: no configured threads
     assert [s["seed"] for s in doc["summary"]["per_seed"]] == [0, 1]
     o = doc["summary"]["rates"]["batch"]["out_of_region"]
     assert o["n_tokens"] == o["criteria"]["ratio"]["counts"]["n"] == sum(r.info["n_out_of_region"] for r in res)

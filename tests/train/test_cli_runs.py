@@ -11,7 +11,7 @@ from pdmask.train.logging import read_jsonl
 
 
 
-def test_smoke_run_writes_outputs(tmp_path, cache_dir, smoke_config, cli):
+def test_smoke_run_writes_outputs(tmp_path, cache_dir, smoke_config, cli, check_environment):
     SMOKE, (run_cli, _) = smoke_config, cli
     p = run_cli(["train", "--config", SMOKE, f"cache_dir={cache_dir}", f"out_dir={tmp_path}", "progress=false"],
                 cwd=tmp_path)
@@ -29,11 +29,19 @@ def test_smoke_run_writes_outputs(tmp_path, cache_dir, smoke_config, cli):
     assert (run / "checkpoints" / "step-000004" / "model.safetensors").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["mode"] == "pdm-topk-kl"
+    check_environment(summary["environment"], threads=1)  # the run's own record (threads: the config's)
+    assert summary["environment"]["torch_threads"] == 1  # set by the run before it recorded
     assert "eval_accuracy_final" in p.stdout  # the final table
     # report overlays the run into PNGs
     run_cli(["report", run, "--out", tmp_path / "rep"], cwd=tmp_path)
     for name in ("eval_accuracy", "reward", "mismatch", "mask_fractions", "overview"):
         assert (tmp_path / "rep" / f"{name}.png").stat().st_size > 10_000
+    # its summary (rebuilt by report, next to the PNGs) carries the run's environment once
+    rep = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    assert rep["environment"] == summary["environment"] | {"source": "the runs"}
+    assert rep["runs_environments"] == [{"environment": summary["environment"], "runs": ["smoke"]}]
+    assert "environment" not in rep["runs"][0]
+    assert f"Environment: torch {summary['environment']['packages']['torch']}" in (tmp_path / "rep" / "summary.md").read_text()
 
 
 def test_cli_rejects_unknown_key(tmp_path, smoke_config, cli):

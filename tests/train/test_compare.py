@@ -24,7 +24,7 @@ def test_plan_runs_modes_seeds_deltas():
     assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
 
 
-def test_compare_smoke(tmp_path, cache_dir, smoke_config, cli):
+def test_compare_smoke(tmp_path, cache_dir, smoke_config, cli, check_environment):
     run_cli, _ = cli
     out = tmp_path / "cmp"
     run_cli(["compare", "--config", smoke_config, "--modes", "dppo-topk-kl,pdm-topk-kl", "--seeds", "1",
@@ -39,3 +39,13 @@ def test_compare_smoke(tmp_path, cache_dir, smoke_config, cli):
     b = read_jsonl(out / "pdm-topk-kl-s0" / "metrics.jsonl")
     assert a[1]["reward"] == b[1]["reward"] and a[1]["mismatch_topk_kl"] == b[1]["mismatch_topk_kl"]
     assert (out / "report" / "overview.png").exists() and (out / "summary.md").exists()
+    # the environment: the compare's (threads: the config's), each run's once, one line in summary.md
+    check_environment(res["environment"], threads=1)
+    [group] = res["runs_environments"]
+    check_environment(group["environment"], threads=1)
+    assert sorted(group["runs"]) == ["dppo-topk-kl-s0", "pdm-topk-kl-s0"]
+    assert all("environment" not in r for r in res["runs"])
+    md = (out / "summary.md").read_text()
+    env = res["environment"]
+    assert md.splitlines()[0].startswith(f"Environment: torch {env['packages']['torch']}, transformers ")
+    assert f"CPU capability {env['cpu_capability']}, 1 torch thread(s) per run" in md

@@ -71,7 +71,8 @@ def test_bad_specs_are_refused_naming_the_key(tmp_path, smoke_config, edit, over
 
 
 # ------------------------------------------------------------------ resume
-def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_path, cache_dir, smoke_config):
+def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_path, cache_dir, smoke_config,
+                                                                          check_environment):
     out = tmp_path / "out"
     p = write_spec(tmp_path / "s.yaml", smoke_config)
     ov = [f"cache_dir={cache_dir}"]
@@ -119,6 +120,14 @@ def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_pa
     rep = json.loads((out / "ladder.json").read_text())
     assert [(r["name"], r["cells_done"]) for r in rep["rungs"]] == [("calm", 6), ("lag", 9)]
     assert rep["wall"]["cells_fresh"] == 15 and rep["wall"]["cells_resumed"] == 1
+    # the environment: the report's, and the runs' (one here: every cell ran in this process)
+    check_environment(rep["environment"], threads=None)
+    [group] = rep["runs_environments"]
+    check_environment(group["environment"], threads=1)
+    assert len(group["runs"]) == 15 and "lag/dppo-topk-kl-s1" in group["runs"]
+    assert (out / "ladder.md").read_text().splitlines()[2].startswith(
+        f"Environment: torch {rep['environment']['packages']['torch']}")
+    assert json.loads((out / "calm" / "summary.json").read_text())["environment"]["source"] == "the runs"
     with pytest.raises(ValueError, match=r"cell calm/none-s0 holds a run made with other settings \(lr: 0.001 -> 0.002\)"):
         run_ladder(load_spec(p, seeds=3, overrides=ov + ["lr=2e-3"]), out=out)
 

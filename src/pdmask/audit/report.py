@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..significance import format_p
+from ..train.environment import environment, one_line
 from .config import AuditConfig
 from .criteria import CRITERIA, PREDICTIVE, RATIO, predictive_name
 from .paper import PAPER
@@ -204,6 +204,8 @@ def markdown(doc: dict) -> str:
           f"loss_agg {cfg['loss_agg']}, is_cap {cfg['is_cap']}; optimizer state: "
           f"{run.get('optimizer_state', 'as given')}. All settings are in `audit.json`; every rate table is "
           "recomputable from `audit_tokens.npz` (`pdmask.audit.report.report_from_records`).", ""]
+    if doc.get("environment"):
+        L += [one_line(doc["environment"]), ""]
     if run:
         L += ["| setting | value |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in run.items()
                                                     if k not in _LONG_RUN_KEYS]
@@ -365,7 +367,7 @@ def write_report(outdir, results, summary: dict, cfg: AuditConfig, *, run_settin
         "paper": PAPER,
         "summary": summary,
         "per_seed_counts": [{"seed": r.seed, "entropy": r.entropy, "fidelity": r.fidelity} for r in results],
-        "environment": {"torch": torch.__version__, "python": platform.python_version()},
+        "environment": environment((run_settings or {}).get("threads")),
         "runtime_s": runtime_s,
     }
     doc = _jsonable(doc)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig, replace
+from .environment import environment
 from .grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
 from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
 from .rollout import decode_responses, group_advantages, rewards_for
@@ -168,6 +169,7 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     runs_s = time.time() - t0 - sft_s
     summaries = load_summaries(find_runs([out]))
     res: dict = {"runs": summaries, "sft": sft_info(base), "sft_wall_s_this_call": sft_s, "rl_wall_s": runs_s,
+                 "environment": environment(cfg.threads),
                  "load_avg_start": load0, "threads": cfg.threads, "jobs": jobs, "cpu_count": os.cpu_count()}
     by_mode = {}
     for s in summaries:

@@ -39,6 +39,7 @@ import torch
 from ..engine.registry import build_engine
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .environment import environment
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
@@ -225,6 +226,7 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                         + (f" eval {rec['eval_accuracy']:.2f}" if "eval_accuracy" in rec else ""))
     log.close()
     summary = summarize(read_jsonl(run_dir / "metrics.jsonl"), cfg, base)
+    summary["environment"] = environment(cfg.threads)  # of this (the last) segment of the run
     with writing(run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

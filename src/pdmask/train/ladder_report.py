@@ -29,6 +29,7 @@ import json
 import math
 from pathlib import Path
 
+from .environment import environment, environments_line, one_line, runs_environments
 from .logging import read_jsonl
 from .seed_summary import json_safe
 
@@ -142,7 +143,7 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
     planned: dict[str, list] = {}
     for c in plan_cells(spec, out):
         planned.setdefault(c.rung.name, []).append(c)
-    rungs, notes = [], []
+    rungs, notes, all_runs = [], [], []
     for rung in spec.rungs:
         runs, n = _finished_runs(spec, rung, out, planned)
         notes += n
@@ -156,7 +157,9 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
         if not runs:
             continue
         across = seed_summary(runs, reference=spec.reference, n_boot=N_BOOT)
-        write_summary(out / rung.name, {"runs": load_summaries(runs), "across_seeds": across})
+        summaries = load_summaries(runs)
+        all_runs += [s | {"run": f"{rung.name}/{s.get('run')}"} for s in summaries]
+        write_summary(out / rung.name, {"runs": summaries, "across_seeds": across})
         if plot:
             plot_eval_bands(runs, out / rung.name / "report")
         extras = {(g["mode"], int(s)): run_extras(out / rung.name / r["run"])
@@ -208,7 +211,10 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
     rep = json_safe({"name": spec.name, "reference": spec.reference, "collapse_drop": spec.collapse_drop,
                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
                      "definitions": DEFINITIONS | {"collapse": DEFINITIONS["collapse"].format(d=spec.collapse_drop)},
-                     "wall": wall_times(out)})
+                     "wall": wall_times(out),
+                     # the report's process; the runs' own environments (distinct ones, with their runs) follow
+                     "environment": environment(),
+                     "runs_environments": runs_environments(all_runs)})
     rep["pooled"] = json_safe(pooled_vs_reference(rep, n_boot=N_BOOT))
     (out / "ladder.json").write_text(json.dumps(rep, indent=2, default=str))
     (out / "ladder.md").write_text(ladder_markdown(rep))
@@ -363,13 +369,17 @@ def _md(h, rows) -> str:
 def ladder_markdown(rep: dict) -> str:
     rows = ladder_rows(rep)
     w = rep["wall"]
-    lines = [f"# Mismatch ladder `{rep['name']}`", "",
-             f"Reference mode: {rep['reference']}; {rep['seeds_planned']} seeds planned per cell"
-             + ("; finished runs of further seeds or modes found on disk are included."
-                if any(r.get("cells_extra") for r in rep["rungs"]) else "."), "",
-             "## Rungs", "", _md(*rows["rungs"]), "",
-             "## Final held-out accuracy (collapsed runs / seeds)", "", _md(*rows["wide"]), "",
-             "## Per rung and mode", "", _md(*rows["modes"]), ""]
+    groups = rep.get("runs_environments") or []
+    env = groups[0]["environment"] if len(groups) == 1 and groups[0]["environment"] else rep.get("environment")
+    lines = [f"# Mismatch ladder `{rep['name']}`", "", one_line(env), ""]
+    if environments_line(groups):
+        lines += [environments_line(groups).replace("summary.json", "ladder.json"), ""]
+    lines += [f"Reference mode: {rep['reference']}; {rep['seeds_planned']} seeds planned per cell"
+              + ("; finished runs of further seeds or modes found on disk are included."
+                 if any(r.get("cells_extra") for r in rep["rungs"]) else "."), "",
+              "## Rungs", "", _md(*rows["rungs"]), "",
+              "## Final held-out accuracy (collapsed runs / seeds)", "", _md(*rows["wide"]), "",
+              "## Per rung and mode", "", _md(*rows["modes"]), ""]
     lines += [f"- {x}" for x in resolution_lines(rep)]
     if rep.get("pooled"):
         lines += ["", "## Pooled over rungs, clustered by seed", "",

@@ -15,6 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from .environment import environment, environments_line, one_line, runs_environments
 from .logging import read_jsonl
 from .seed_summary import run_label
 
@@ -212,6 +213,8 @@ def run_table(summary: dict, title: str = "run"):
     t.add_column("value", justify="right")
     fmts = {k: f for k, _, f in COLUMNS}
     for k, v in summary.items():
+        if k == "environment":
+            v = one_line(v).removeprefix("Environment: ")
         t.add_row(k, _fmt(v, fmts.get(k, "{:.4g}" if isinstance(v, float) else "{}")))
     return t
 
@@ -247,6 +250,10 @@ def summary_markdown(res: dict) -> str:
     """``summary.md`` of a compare directory from its ``summary.json`` content (every part
     optional: a summary rebuilt by ``pdmask report`` has no timings)."""
     lines = []
+    if res.get("environment") or res.get("runs_environments"):
+        lines += [one_line(res.get("environment")), ""]
+        if environments_line(res.get("runs_environments") or []):
+            lines += [environments_line(res["runs_environments"]), ""]
     if res.get("sft"):
         lines += [f"SFT base greedy held-out accuracy: {res['sft'].get('eval_greedy_accuracy')}", ""]
     if res.get("runs"):
@@ -265,13 +272,34 @@ def summary_markdown(res: dict) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def split_environments(summaries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The run summaries without their ``environment`` and the distinct environments
+    (:func:`pdmask.train.environment.runs_environments`): a summary of many runs holds each
+    environment once."""
+    return [{k: v for k, v in s.items() if k != "environment"} for s in summaries], runs_environments(summaries)
+
+
 def write_summary(directory: str | Path, updates: dict) -> tuple[Path, Path]:
     """Merge ``updates`` into ``directory/summary.json`` (other keys kept) and rewrite
-    ``summary.md`` from the result. Returns both paths."""
+    ``summary.md`` from the result. Returns both paths.
+
+    ``updates["runs"]`` (run summaries) have their environments moved into
+    ``runs_environments``; the summary's ``environment`` is the one the runs share, or, when
+    they differ or recorded none, the one an earlier writer (``pdmask compare``) recorded, else
+    this process's (with ``source`` saying so)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     pj, pm = d / "summary.json", d / "summary.md"
     res = json.loads(pj.read_text()) if pj.exists() else {}
+    updates = dict(updates)
+    if "runs" in updates:
+        updates["runs"], groups = split_environments(updates["runs"])
+        updates["runs_environments"] = groups
+        if "environment" not in updates:
+            if len(groups) == 1 and groups[0]["environment"] is not None:
+                updates["environment"] = groups[0]["environment"] | {"source": "the runs"}
+            elif not res.get("environment"):
+                updates["environment"] = environment() | {"source": "the process that wrote this summary"}
     res.update(updates)
     pj.write_text(json.dumps(res, indent=2, default=str))
     pm.write_text(summary_markdown(res))
