@@ -85,7 +85,9 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             "tail_beyond_topk": _dist(r["tail"]), "tail_over_1pct": float((r["tail"] > 0.01).mean()),
             "entropy": _dist(r["entropy"]), "topk_kl": _dist(r["topk_kl"]), "full_kl": _dist(r["full_kl"]),
             "binary_kl": _dist(r["binary_kl"]), "wall_s": round(time.time() - t1, 1)}
-    out.update({"model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.temperature,
+    from .environment import environment
+
+    out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.temperature,
                 "top_k": cfg.top_k, "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
                 "max_new_tokens": cfg.max_new_tokens, "threads": cfg.threads, "wall_s": round(time.time() - t0, 1)})
     return out
@@ -98,6 +100,10 @@ def task_stats_md(doc: dict, command: str) -> str:
          f"{doc['prompts_per_step']} prompts x {doc['group_size']} samples per batch, {doc['max_new_tokens']} new "
          f"tokens at most, top-K = {doc['top_k']}. Mismatch: each engine against the fp32 policy at the same "
          "weights (no lag).", ""]
+    if doc.get("environment"):
+        from .environment import one_line
+
+        L += [one_line(doc["environment"]), ""]
     precs = list(doc["precisions"])
     L += ["| quantity | " + " | ".join(precs) + " |", "|---|" + "---|" * len(precs)]
 
