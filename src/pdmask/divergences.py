@@ -17,13 +17,29 @@ from dataclasses import dataclass
 import torch
 
 
+def log_floor(dtype: torch.dtype) -> float:
+    """The log floor of a dtype: log(smallest normal) (-87.3 in fp32). The one definition."""
+    return math.log(torch.finfo(dtype).tiny)
+
+
 def floor_log(x: torch.Tensor) -> torch.Tensor:
-    """Floor a log-probability at log(smallest normal) of its dtype (-87.3 in fp32).
+    """Floor a log-probability at :func:`log_floor` of its dtype.
 
     The one floor of the divergences' logs: those here and the full-vocabulary KL of
     :mod:`pdmask.ops`.
     """
-    return x.clamp(min=math.log(torch.finfo(x.dtype).tiny))
+    return x.clamp(min=log_floor(x.dtype))
+
+
+def floor_neginf(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -inf (a sampled token the trainer gives probability 0) at :func:`log_floor`,
+    finite values untouched (their gradient too): the loss's and the corrections' floor."""
+    return torch.where(torch.isneginf(x), torch.full_like(x, log_floor(x.dtype)), x)
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``valid`` (0 when none): ``x[valid].mean()`` without the sync."""
+    return torch.where(valid, x, torch.zeros_like(x)).sum() / valid.sum().clamp(min=1)
 
 
 def _xlog_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

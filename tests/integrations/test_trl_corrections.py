@@ -26,6 +26,7 @@ import trl_helpers as H  # noqa: E402
 
 import pdmask  # noqa: E402
 from pdmask.integrations.trl import options  # noqa: E402
+from tests import flat  # noqa: E402
 
 VLLM = dict(use_vllm=True)
 #: TRL config -> the core's IS keywords, written out by hand
@@ -83,7 +84,7 @@ def test_core_weights_equal_trls(tmp_path, trl_kw):
                           cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
     w_trl = w_trl.expand(B, T)
     kw = {k: v for k, v in options.loss_kwargs(cfg).items() if k in ("is_level", "is_mask", "is_cap", "is_floor")}
-    w, keep, _ = pdmask.importance_weights(logp - mu, mask.bool(), **kw)
+    w, keep, _ = pdmask.importance_weights(logp - mu, mask.bool(), pdmask.Corrections(**kw))
     v = mask.bool()
     if kw["is_mask"]:
         # TRL zeroes the weight outside the bounds, pdmask masks the token; inside both keep r
@@ -171,7 +172,7 @@ def test_truncated_sampling_on_policy_ratio_is_one(tmp_path, samp):
     assert bool(rec["kept"][valid].all())
     # the same tensors without the truncation keywords: biased ratio, the TV mask fires on-policy
     inp = rec["inputs"]
-    biased = pdmask.policy_loss(rec["logits"], inp["completion_ids"], inp["rollout_logprobs"],
+    biased = flat.policy_loss(rec["logits"], inp["completion_ids"], inp["rollout_logprobs"],
                                 inp["rollout_topk_ids"], inp["rollout_topk_logprobs"], inp["advantages"], valid,
                                 mode="dppo-topk-tv", temperature=tr.args.temperature)
     assert float(biased.metrics["ratio_mean"]) < 0.99

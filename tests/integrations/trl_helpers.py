@@ -16,6 +16,7 @@ from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer  # noqa
 
 import pdmask  # noqa: E402
 from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, options  # noqa: E402
+from tests import flat  # noqa: E402
 
 
 def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
@@ -64,7 +65,7 @@ class Probe(GRPOTrainer):
             corr = {k: v for k, v in options.loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
             if options.vllm_is_on(a):
                 cap = options.loss_kwargs(a)["is_cap"]
-            ref = pdmask.policy_loss(
+            ref = flat.policy_loss(
                 logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
                 inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
                 estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,

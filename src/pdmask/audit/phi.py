@@ -52,8 +52,10 @@ import torch
 
 from ..batchmask import BatchMask
 from ..engine.hf import response_logits
-from ..loss import aggregate, broadcast_advantages, policy_loss
-from ..masks import divergence_region, get_mode, resolve_thresholds
+from ..corrections import Corrections
+from ..loss import Aggregation, aggregate, broadcast_advantages, policy_loss
+from ..masks import Thresholds, divergence_region, get_mode
+from ..ops import Sampling
 from ..stats import token_stats
 
 F64 = torch.float64
@@ -138,12 +140,7 @@ def top_m(score: torch.Tensor, region: torch.Tensor, m: int) -> torch.Tensor:
 
 def _rows(rb, rows: torch.Tensor):
     """The rollout batch restricted to ``rows`` (columns untouched, positions stay put)."""
-    from ..engine.base import RolloutBatch
-
-    return RolloutBatch(sequences=rb.sequences[rows], attention_mask=rb.attention_mask[rows],
-                        prompt_len=rb.prompt_len, response_mask=rb.response_mask[rows],
-                        sampled_logprob=rb.sampled_logprob[rows], topk_ids=rb.topk_ids[rows],
-                        topk_logprobs=rb.topk_logprobs[rows])
+    return rb[rows]
 
 
 class PhiStep:
@@ -173,12 +170,12 @@ class PhiStep:
         self.valid = valid
         logits = self._forward(self.model, torch.arange(valid.shape[0]))  # (B, T, V) float64
         self.stats = self._stats(logits.detach(), rb)
-        th = resolve_thresholds(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"), delta_low, delta_high, 0.2, 0.2)
+        th = Thresholds(delta_low, delta_high).resolve(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"))
         self.O = divergence_region(divergence)(self.stats, self.A, th) & valid & (self.A != 0)  # (B, T)
         self.rows_O = self.O.any(1).nonzero().squeeze(1)
         self.phi0 = float((self.stats[divergence] * self.O).sum())
         x = torch.zeros(valid.shape, dtype=F64, requires_grad=True)
-        (self.a,) = torch.autograd.grad(aggregate(x, valid, tcfg.loss_agg), x)  # (B, T) aggregation weights
+        (self.a,) = torch.autograd.grad(aggregate(x, valid, Aggregation(tcfg.loss_agg)), x)  # (B, T) aggregation weights
         per = self._token_loss(logits, rb, self.A)
         self.G = self._grad((self.a * per).sum())
         self._phi_full: float | None = None
@@ -189,15 +186,16 @@ class PhiStep:
         sub = _rows(self.rb, rows)
         return response_logits(model, sub.sequences, sub.attention_mask, sub.prompt_len)
 
+    def _rollout(self, rb):
+        r = rb.rollout
+        return r.replace(sampled_logprob=r.sampled_logprob.to(F64), topk_logprobs=r.topk_logprobs.to(F64), logits=None)
+
     def _stats(self, logits, rb):
-        return token_stats(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
-                           rb.topk_logprobs.to(F64), response_mask=rb.response_mask,
-                           temperature=self.tcfg.temperature)
+        return token_stats(logits, self._rollout(rb), sampling=Sampling(self.tcfg.temperature))
 
     def _token_loss(self, logits, rb, A):
-        return policy_loss(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
-                           rb.topk_logprobs.to(F64), A, rb.response_mask, mode="none", is_cap=self.tcfg.is_cap,
-                           loss_agg=self.tcfg.loss_agg, temperature=self.tcfg.temperature,
+        return policy_loss(logits, self._rollout(rb), A, mode="none", corrections=Corrections(is_cap=self.tcfg.is_cap),
+                           aggregation=Aggregation(self.tcfg.loss_agg), sampling=Sampling(self.tcfg.temperature),
                            validate=False).token_loss  # (R, T)
 
     def _grad(self, scalar, retain: bool = False):
@@ -295,8 +293,7 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
         bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
                        delta_low=settings.delta_low, delta_high=settings.delta_high, scope="region",
                        temperature=ps.tcfg.temperature, is_cap=ps.tcfg.is_cap, all_tokens=True)
-        res = bm(rb.sequences, rb.attention_mask, rb.response_mask, rb.sampled_logprob.to(F64), rb.topk_ids,
-                 rb.topk_logprobs.to(F64), ps.A)
+        res = bm(rb.sequences, rb.attention_mask, ps._rollout(rb), ps.A)
         if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
             raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")
         out[name] = res.c.to(F64)
