@@ -17,7 +17,7 @@ from ..keys import ESTIMATORS, ddot_key
 from ..ops import Sampling
 from ..rollout import Rollout
 from ..stats import token_stats
-from ..significance import pooled_ratio
+from ..significance import DEFAULT_N_BOOT, pooled_ratio
 
 
 def effective_ks(ks, vocab_size: int) -> list[int]:
@@ -70,7 +70,7 @@ def fidelity_counts(
     return out
 
 
-def summarize_fidelity(per_seed: list[dict], *, n_boot: int = 10000, seed: int = 0) -> dict:
+def summarize_fidelity(per_seed: list[dict], *, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> dict:
     """Across seeds: sign agreement per (set, K, estimator), aggregated = uniform, and the
     KL/TV shares, each a pooled ratio (sum over seeds / sum over seeds) with its
     seed-cluster bootstrap interval (:func:`pdmask.significance.pooled_ratio` dicts)."""

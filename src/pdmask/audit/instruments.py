@@ -1,4 +1,4 @@
-"""Step-free first-order instruments in parameter space (issue 12, items 2 and 3).
+"""Step-free first-order instruments in parameter space.
 
 For a token t of sequence b, with ``L_t = A_t log pi_t(k_t)`` (the token's own objective;
 its update is ``theta += eta w grad L_t``, ``w > 0`` the detached IS weight) and ``D_t``

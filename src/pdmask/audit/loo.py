@@ -16,7 +16,7 @@ backward are paid once. Naive equivalent (what the tests compare with): two call
 :func:`.steps.batch_step`, the second with ``A_s = 0`` for s in E (a zero advantage
 zeroes a token's term, its gradient and nothing else), in float64.
 
-The **own effect** of token t (issue 12, item 4) is
+The **own effect** of token t is
 ``dD_t(batch step) - dD_t(batch step without t) = D_t(theta') - D_t(theta'_{-t})``:
 the part of the realized change at t that masking t removes. It depends on the
 optimizer's state, so give ``optimizer_state`` of a run (``pdmask train`` run directory

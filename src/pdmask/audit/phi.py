@@ -1,4 +1,4 @@
-"""Judging the batch-aware mask by the audit (issue 14, item 4): what one masked batch step
+"""Judging the batch-aware mask by the audit: what one masked batch step
 does to the out-of-region divergence ``Phi = sum_{s in O} D_s`` (O fixed at theta).
 
 Per seed, on the audit's rollout batch (:func:`pdmask.audit.source.build_source`, so the
@@ -54,9 +54,11 @@ from ..batchmask import BatchMask
 from ..engine.hf import response_logits
 from ..corrections import Corrections
 from ..loss import Aggregation, aggregate, broadcast_advantages, policy_loss
-from ..masks import Thresholds, divergence_region, get_mode
+from ..masks import MODES, Thresholds, divergence_region, get_mode
+from ..significance import DEFAULT_N_BOOT
 from ..ops import Sampling
 from ..stats import token_stats
+from .config import default_delta
 
 F64 = torch.float64
 #: the criteria every seed measures (plus ``pdm-batch-lastN`` per ``batch_lasts``)
@@ -78,13 +80,13 @@ class PhiSettings:
     """
 
     divergence: str = "topk_kl"
-    delta_low: float = 0.05
-    delta_high: float = 0.05
+    delta_low: float = MODES["pdm-topk-kl"].default_delta
+    delta_high: float = MODES["pdm-topk-kl"].default_delta
     fractions: tuple = (0.1, 0.25, 0.5)
     loo_tokens: int = 48
     loo_outside: int = 16
     batch_lasts: tuple = (1,)
-    bootstrap: int = 10_000
+    bootstrap: int = DEFAULT_N_BOOT
     bootstrap_seed: int = 0
 
     def validate(self) -> "PhiSettings":
@@ -156,7 +158,8 @@ class PhiStep:
     """
 
     def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
-                 delta_low: float = 0.05, delta_high: float = 0.05):
+                 delta_low: float = MODES["pdm-topk-kl"].default_delta,
+                 delta_high: float = MODES["pdm-topk-kl"].default_delta):
         from ..train.update import ADAMW_BETAS
 
         self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
@@ -439,7 +442,7 @@ def markdown(doc: dict) -> str:
     from ..significance import format_p
 
     s, st = doc["summary"], doc["settings"]
-    lines = ["# Batch-aware mask: the audit of Phi (issue 14)", "",
+    lines = ["# Batch-aware mask: the audit of Phi", "",
              f"Command: `{doc['run'].get('command', '')}`", "",
              f"{s['n_seeds']} seeds ({s['n_seeds_with_O']} with out-of-region tokens), {s['n_tokens']:,} response "
              f"tokens, {s['n_out_of_region']:,} out of region ({st['divergence']} > {st['delta_high']:g}). "
@@ -587,7 +590,7 @@ def main(argv=None) -> None:
         loo_tokens: int = typer.Option(48, "--loo-tokens", help="leave-one-out tokens of O per seed"),
         loo_outside: int = typer.Option(16, "--loo-outside", help="leave-one-out tokens outside O per seed"),
         batch_lasts: str = typer.Option("1", "--batch-lasts", help="also score params=N for these N ('' none)"),
-        bootstrap: int = typer.Option(10_000, "--bootstrap", help="bootstrap resamples"),
+        bootstrap: int = typer.Option(DEFAULT_N_BOOT, "--bootstrap", help="bootstrap resamples"),
     ) -> None:
         from rich.console import Console
 
@@ -598,7 +601,7 @@ def main(argv=None) -> None:
             cfg_path = config if config is not None else (
                 Path(model) / "config.yaml" if model and is_run_dir(model) else None)
             tcfg = load_config(cfg_path, list(set_) + ["progress=false"])
-            d = (0.05 if divergence.endswith("kl") else 0.15) if delta is None else delta
+            d = default_delta(divergence) if delta is None else delta
             settings = PhiSettings(divergence=divergence, delta_low=d, delta_high=d,
                                    fractions=_floats(fractions, "fractions"), loo_tokens=loo_tokens,
                                    loo_outside=loo_outside, batch_lasts=tuple(int(x) for x in
@@ -615,7 +618,7 @@ def main(argv=None) -> None:
 
     app = typer.Typer(add_completion=False)
     app.command(help="Judge the batch-aware mask by Phi: sign accuracy against leave-one-out, dPhi at matched "
-                     "masked fraction (issue 14).")(command)
+                     "masked fraction.")(command)
     app(argv, standalone_mode=True) if argv is not None else app()
 
 

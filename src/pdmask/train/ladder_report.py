@@ -29,10 +29,11 @@ import json
 import math
 from pathlib import Path
 
+from ..significance import DEFAULT_N_BOOT
 from .logging import read_jsonl
 from .seed_summary import json_safe
 
-N_BOOT = 10_000
+N_BOOT = DEFAULT_N_BOOT
 
 
 def _mean(xs):

@@ -95,7 +95,7 @@ def test_rollout_is_weights_multiply_per_token():
     w = torch.rand(adv.shape, generator=torch.Generator().manual_seed(0), dtype=adv.dtype) + 0.5
     loss, _, _ = _call("pdmask_dppo_binary_tv", logits, ids, rlp, adv, mask, cfg, rollout_is_weights=w)
     ref, _ = _pdmask("dppo-binary-tv", logits, ids, rlp, adv, mask, agg="seq-mean-token-sum")
-    expect = pdmask.aggregate(ref.token_loss * w, mask, "seq-mean-token-sum")
+    expect = pdmask.aggregate(ref.token_loss * w, mask, pdmask.Aggregation("seq-mean-token-sum"))
     torch.testing.assert_close(loss, expect, rtol=1e-12, atol=1e-12)
     assert not math.isclose(float(loss.detach()), float(ref.loss.detach()))
 

@@ -72,7 +72,6 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
         self._pdmask_rollout: Rollout | None = None
-        self._pdmask_loss = options.loss_spec(a)  # the one loss spec of the run
         super().__init__(*args_, **kwargs)
         vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
         if vocab is not None and a.rollout_top_k > vocab:
@@ -206,7 +205,8 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             mask = mask & inputs["tool_mask"].bool()
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
         rollout = Rollout(comp, inputs["sampled_logprob"], inputs.get("topk_ids"), inputs.get("topk_logprobs"), mask)
-        adv, loss_fn = inputs["advantages"], self._pdmask_loss
+        # the config's one loss spec (built from self.args each time: they may change between steps)
+        adv, loss_fn = inputs["advantages"], options.loss_spec(a)
         if a.loss_from_hidden:
             T = comp.shape[1]
 
