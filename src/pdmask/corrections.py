@@ -36,7 +36,7 @@ over the response tokens (``response_mask``), independent of the token mask, as 
 
 Naive torch equivalent of the sequence-level TIS weight and a ``seq_mean_k3`` rule::
 
-    lr = (logp - rollout_logp).where(mask, 0)
+    lr = (logp - sampled_logprob).where(mask, 0)
     w = lr.sum(-1).exp().clamp(max=C)[:, None].expand_as(lr)
     keep = ((lr.clamp(-20, 20).exp() - 1 - lr.clamp(-20, 20)) * mask).sum(-1) / mask.sum(-1) <= hi
 """

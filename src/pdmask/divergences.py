@@ -56,20 +56,20 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- binary
-def binary_tv(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
-    """Binary TV ``|pi_k - mu_k|``. Naive torch: ``(logp.exp() - rollout_logp.exp()).abs()``."""
-    return (logp.exp() - rollout_logp.exp()).abs()
+def binary_tv(logp: torch.Tensor, sampled_logprob: torch.Tensor) -> torch.Tensor:
+    """Binary TV ``|pi_k - mu_k|``. Naive torch: ``(logp.exp() - sampled_logprob.exp()).abs()``."""
+    return (logp.exp() - sampled_logprob.exp()).abs()
 
 
-def binary_kl(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+def binary_kl(logp: torch.Tensor, sampled_logprob: torch.Tensor) -> torch.Tensor:
     """Binary KL ``mu_k log(mu_k/pi_k) + (1-mu_k) log((1-mu_k)/(1-pi_k))``.
 
     The Bernoulli KL of "sampled token vs everything else". Computed from log-probs with
     ``log1mexp`` so that pi_k -> 1 or mu_k -> 1 stays finite.
     """
-    mu = rollout_logp.exp()
-    a = mu * (rollout_logp - floor_log(logp))
-    b = _xlog_ratio(-torch.expm1(rollout_logp), log1mexp(rollout_logp), log1mexp(logp))
+    mu = sampled_logprob.exp()
+    a = mu * (sampled_logprob - floor_log(logp))
+    b = _xlog_ratio(-torch.expm1(sampled_logprob), log1mexp(sampled_logprob), log1mexp(logp))
     return (a + b).clamp(min=0.0)
 
 
@@ -106,10 +106,10 @@ class Support:
 def build_support(
     sampled_ids: torch.Tensor,  # (N,)
     logp: torch.Tensor,  # (N,) log pi_k
-    rollout_logp: torch.Tensor,  # (N,) log mu_k
+    sampled_logprob: torch.Tensor,  # (N,) log mu_k
     topk_ids: torch.Tensor,  # (N, K)
     topk_logp: torch.Tensor,  # (N, K) log pi at the top-K ids
-    rollout_topk_logp: torch.Tensor,  # (N, K) log mu at the top-K ids
+    topk_logprobs: torch.Tensor,  # (N, K) log mu at the top-K ids
     sum_p2: torch.Tensor,  # (N,) sum_i pi_i^2 over the whole vocabulary
     vocab_size: int,
 ) -> Support:
@@ -121,7 +121,7 @@ def build_support(
     extra = ~in_topk
     neg_inf = torch.full_like(logp, float("-inf"))
     logpi = torch.cat([topk_logp.to(dt), torch.where(extra, logp, neg_inf)[:, None]], 1)
-    logmu = torch.cat([rollout_topk_logp.to(dt), torch.where(extra, rollout_logp.to(dt), neg_inf)[:, None]], 1)
+    logmu = torch.cat([topk_logprobs.to(dt), torch.where(extra, sampled_logprob.to(dt), neg_inf)[:, None]], 1)
     valid = torch.cat([torch.ones_like(hit), extra[:, None]], 1)
     pi = logpi.exp()
     mu = logmu.exp()

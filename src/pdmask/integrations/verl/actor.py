@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ...rollout import Rollout
 from ...stats import token_stats
 from .losses import TOPK_STAT_KEYS, engine_without_topk, rollout_stats
 from .rollout import EXTRA_KEYS
