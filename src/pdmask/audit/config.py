@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from .._validate import ESTIMATORS, LOSS_AGGS
-from ..masks import MODES
+from ..masks import MODES, MaskMode
 from ..significance import DEFAULT_N_BOOT
 
 #: Divergences the audit can judge. The binary ones are excluded on purpose: their
@@ -27,8 +27,11 @@ FIDELITY_KS_ARG = ",".join(map(str, FIDELITY_KS))
 
 
 def default_delta(divergence: str) -> float:
-    """The default delta of a top-K divergence (``topk_kl`` / ``topk_tv``): its mode's."""
-    return MODES["pdm-" + divergence.replace("_", "-")].default_delta
+    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): its
+    ``pdm-*`` mode's. An unknown name gets :class:`pdmask.MaskMode`'s default; the config's
+    own check of ``divergence`` then refuses it with the list of valid names."""
+    mode = MODES.get("pdm-" + str(divergence).replace("_", "-"))
+    return MaskMode.default_delta if mode is None else mode.default_delta
 
 
 def _fail(name: str, msg: str) -> None:
