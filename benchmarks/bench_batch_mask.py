@@ -83,21 +83,21 @@ def main(argv=None) -> None:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     batch = make_batch(model, cfg, B, P, T)
+    rollout = pdmask.Rollout(batch["input_ids"][:, P:], batch["rollout_logprob"], batch["rollout_topk_ids"],
+                             batch["rollout_topk_logprobs"], batch["response_mask"])
+    sampling = pdmask.Sampling(cfg.temperature)
+    ids, am, adv = batch["input_ids"], batch["attention_mask"], batch["advantages"]
     # delta at the 80th percentile of the top-K KL: ~20% of the tokens out of region (a
     # fresh model is near uniform, so the preset's delta would leave O empty)
-    st = pdmask.token_stats(response_logits(model, batch["input_ids"], batch["attention_mask"], P).detach(),
-                            batch["input_ids"][:, P:], batch["rollout_logprob"], batch["rollout_topk_ids"],
-                            batch["rollout_topk_logprobs"], response_mask=batch["response_mask"],
-                            temperature=cfg.temperature)
+    st = pdmask.token_stats(response_logits(model, ids, am, P).detach(), rollout, sampling=sampling)
     delta = float(st["topk_kl"][batch["response_mask"]].quantile(0.8))
     kw = dict(temperature=cfg.temperature, is_cap=cfg.is_cap, delta_low=delta, delta_high=delta)
 
     def dppo():
         logits = response_logits(model, batch["input_ids"], batch["attention_mask"], P)
-        out = pdmask.policy_loss(logits, batch["input_ids"][:, P:], batch["rollout_logprob"],
-                                 batch["rollout_topk_ids"], batch["rollout_topk_logprobs"], batch["advantages"],
-                                 batch["response_mask"], mode="dppo-topk-kl", validate=False, delta_low=delta,
-                                 delta_high=delta, temperature=cfg.temperature, is_cap=cfg.is_cap)
+        out = pdmask.policy_loss(logits, rollout, adv, mode="dppo-topk-kl", validate=False,
+                                 thresholds=pdmask.Thresholds(delta, delta), sampling=sampling,
+                                 corrections=pdmask.Corrections(is_cap=cfg.is_cap))
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
 
@@ -107,7 +107,8 @@ def main(argv=None) -> None:
     opt.zero_grad(set_to_none=True)
 
     def bm(params, method):
-        return lambda: batch_mask(model, **batch, params=params, optimizer=opt, method=method, validate=False, **kw)
+        return lambda: batch_mask(model, ids, am, rollout, adv, params=params, optimizer=opt, method=method,
+                                  validate=False, **kw)
 
     fns = {"dppo-topk-kl": dppo}
     L = cfg.num_layers
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
         fns["batch-all (dbl-bwd)"] = bm("all", "double-backward")
         for n in lasts:
             fns[f"batch-last-{n} (dbl-bwd)"] = bm(n, "double-backward")
-    probe = batch_mask(model, **batch, optimizer=opt, **kw)
+    probe = batch_mask(model, ids, am, rollout, adv, optimizer=opt, **kw)
     rounds = 3 if args.quick else args.rounds
     print(f"# {env_line()}; model {cfg.arch} {num_params(model):,} params ({L} blocks, d={cfg.hidden_size}, "
           f"V={cfg.vocab_size}); batch B={B} P={P} T={T} K={cfg.top_k}; {int(probe.metrics['num_out_of_region'])} "

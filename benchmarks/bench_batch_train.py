@@ -201,6 +201,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     import math
 
     from pdmask.engine.hf import response_logits
+    from pdmask import Corrections, Sampling
     from pdmask.loss import policy_loss
     from pdmask.train.config import replace
     from pdmask.train.update import batch_masker
@@ -211,11 +212,10 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     adv = ro.advantages[idx]
     if bool((adv == 0).all()):
         adv = torch.linspace(-1, 1, len(idx))
-    kw = dict(is_cap=cfg.is_cap, temperature=cfg.temperature, validate=False)
+    kw = dict(corrections=Corrections(is_cap=cfg.is_cap), sampling=Sampling(cfg.temperature), validate=False)
 
     def loss_of(logits, mode, extra):
-        return policy_loss(logits, sub.response_ids, sub.sampled_logprob, sub.topk_ids, sub.topk_logprobs, adv,
-                           sub.response_mask, mode=mode, **extra, **kw)
+        return policy_loss(logits, sub.rollout, adv, mode=mode, **extra, **kw)
 
     def one(name, c):
         ph = Phases()
@@ -228,8 +228,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
                 extra = {}
             else:
                 bm = batch_masker(model, opt, c)
-                out = bm(sub.sequences, sub.attention_mask, sub.response_mask, sub.sampled_logprob, sub.topk_ids,
-                         sub.topk_logprobs, adv, validate=False, share_forward=True)
+                out = bm(sub.sequences, sub.attention_mask, sub.rollout, adv, validate=False, share_forward=True)
                 logits, extra = out.logits, {"batch_ddot": out.ddot}
         t = time.perf_counter()
         loss = loss_of(logits, c.mode, extra)

@@ -50,20 +50,19 @@ def inputs(T, V, H, K, dtype, seed=0):
     tk[..., 0] = k  # the sampled token in the top-K
     tk_lp = torch.full((1, T, K), -6.0)  # a flat rollout top-K: mass K e^-6 < 1
     tk_lp[..., 0] = -2.0
-    return dict(hidden=hidden, W=W, sampled_ids=k, rollout_logprob=tk_lp[..., 0].clone(), rollout_topk_ids=tk,
-                rollout_topk_logprobs=tk_lp, advantages=torch.randn(1, generator=g).sign(),
-                response_mask=torch.ones(1, T, dtype=torch.bool))
+    rollout = pdmask.Rollout(sampled_ids=k, sampled_logprob=tk_lp[..., 0].clone(), topk_ids=tk, topk_logprobs=tk_lp,
+                             response_mask=torch.ones(1, T, dtype=torch.bool))
+    return dict(hidden=hidden, W=W, rollout=rollout, advantages=torch.randn(1, generator=g).sign())
 
 
 def run(path: str, d: dict) -> float:
     """Forward and backward of one path; returns the loss (to show both agree)."""
     h = d["hidden"].detach().requires_grad_()
     W = d["W"].detach().requires_grad_()
-    rest = {k: v for k, v in d.items() if k not in ("hidden", "W")}
     if path == "logits":
-        out = pdmask.policy_loss(h @ W.T, **rest, mode="pdm-topk-kl")
+        out = pdmask.policy_loss(h @ W.T, d["rollout"], d["advantages"], mode="pdm-topk-kl")
     else:
-        out = pdmask.policy_loss_from_hidden(h, W, **rest, mode="pdm-topk-kl")
+        out = pdmask.policy_loss_from_hidden(h, W, d["rollout"], d["advantages"], mode="pdm-topk-kl")
     out.loss.backward()
     return float(out.loss)
 

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test directory."""
+"""Session-wide fixtures shared by every test directory."""
 
 import platform
 import shutil
@@ -42,3 +42,17 @@ def _check_environment(env: dict, *, threads) -> None:
 def check_environment():
     """``check_environment(env, threads=N)``: the recorded environment is this machine's."""
     return _check_environment
+
+
+@pytest.fixture(scope="session")
+def smoke_cache(tmp_path_factory):
+    """The one SFT cache of the session: every run of the smoke preset (train, hardening,
+    audit) trains its SFT base once and then reads it from here (the cache is
+    content-addressed, so other settings add their own entry beside it)."""
+    return tmp_path_factory.mktemp("sft-cache")
+
+
+@pytest.fixture(scope="session")
+def smoke_config():
+    """configs/smoke.yaml, the tiny end-to-end preset."""
+    return REPO / "configs" / "smoke.yaml"

@@ -1,9 +1,14 @@
 """pdmask: trust-region masks for LLM reinforcement learning, built around the
 predictive divergence mask.
 
-Public API (pure tensor functions):
+Public API (pure tensor functions taking a few typed objects):
 
-- :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics.
+- :class:`Rollout` — what the rollout engine reports (sampled ids, ``log mu_k``, top-K,
+  response mask; optionally its kept set and full logits); every loss takes one.
+- :class:`Thresholds`, :class:`Corrections`, :class:`Sampling`, :class:`Aggregation`,
+  :class:`Compute` — the settings, each checked once when made.
+- :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics;
+  :class:`PolicyLoss` the same configured once (``PolicyLoss(mode=...)(logits, rollout, A)``).
 - :func:`policy_loss_from_hidden` — the same from hidden states and the LM-head weight,
   without the (N, V) logits.
 - :func:`trust_region_mask` — the keep mask alone.
@@ -18,25 +23,31 @@ Public API (pure tensor functions):
   :mod:`pdmask.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
-  ``is_*``, ``rejection*`` and ``off_policy_mask_threshold`` arguments).
+  ``corrections=`` :class:`Corrections`).
 """
 
 from .batchmask import BatchMask, batch_mask
 from .corrections import RULES as REJECTION_RULES
-from .corrections import importance_weights, off_policy_mask, rejection_mask
+from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
 from .directions import ddot_autograd
 from .keys import ESTIMATORS, ddot_key
-from .loss import PolicyLossOutput, aggregate, policy_loss, policy_loss_from_hidden, token_loss, trust_region_mask
+from .loss import (
+    Aggregation, PolicyLoss, PolicyLossOutput, aggregate, policy_loss, policy_loss_from_hidden, token_loss,
+    trust_region_mask,
+)
 from .masks import (
     MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
     ratio_region, ratio_sign, register_mode,
 )
+from .ops import Compute, Sampling
+from .rollout import Rollout
 from .stats import token_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchMask", "ESTIMATORS", "MODES", "MaskMode", "PolicyLossOutput", "REJECTION_RULES", "Thresholds",
+    "Aggregation", "BatchMask", "Compute", "Corrections", "ESTIMATORS", "MODES", "MaskMode", "PolicyLoss",
+    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "Sampling", "Thresholds",
     "aggregate", "batch_mask", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
     "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign",
     "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",

@@ -27,13 +27,14 @@ LOGPROB_TOL = 1e-3
 #: Largest accepted excess of the top-K probability mass over 1 (also of the top-K mass
 #: plus the sampled token's when the sampled token is not in the top-K).
 MASS_TOL = 1e-3
-#: The sampled token's ``rollout_logprob`` and its own entry in the top-K list are the
+#: The sampled token's ``sampled_logprob`` and its own entry in the top-K list are the
 #: same number from the engine; they may differ by rounding only (bf16 rounding of either
 #: is < 2^-8 relative): ``|a - b| <= MATCH_ATOL + MATCH_RTOL * |b|``.
 MATCH_ATOL = 1e-3
 MATCH_RTOL = 2.0 ** -7
 
 from .keys import ESTIMATORS  # noqa: F401  (re-exported for the validators)
+from .rollout import Rollout
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -43,7 +44,7 @@ class Batch:
 
     logits: torch.Tensor  # (N, V), original dtype, a view where possible
     sampled_ids: torch.Tensor  # (N,) int64
-    rollout_logprob: torch.Tensor  # (N,) float
+    sampled_logprob: torch.Tensor  # (N,) float
     topk_ids: torch.Tensor | None  # (N, K) int64
     topk_logprobs: torch.Tensor | None  # (N, K) float
     rollout_logits: torch.Tensor | None  # (N, V)
@@ -139,108 +140,83 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, what: str) -> None:
         _fail(name, f"expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
 
 
-def prepare(
-    logits: torch.Tensor,
-    sampled_ids: torch.Tensor,
-    rollout_logprob: torch.Tensor,
-    rollout_topk_ids: torch.Tensor | None,
-    rollout_topk_logprobs: torch.Tensor | None,
-    response_mask: torch.Tensor | None,
-    rollout_logits: torch.Tensor | None = None,
-    validate: bool = True,
-    kept_mask: torch.Tensor | None = None,
-    checks: Checks | None = None,
-) -> Batch:
-    """Check shapes, dtypes, devices and values; flatten to (N, ...) and sanitise padding.
+def prepare(logits: torch.Tensor, rollout, validate: bool = True, checks: Checks | None = None) -> Batch:
+    """Check the rollout against the logits (shapes, dtypes, devices, values); flatten to
+    (N, ...) and sanitise padding.
 
     The value checks go into ``checks`` when given (the caller adds its own and runs them:
     one host sync for all), else they are run here; ``validate=False`` skips them."""
     _check_tensor("logits", logits, float_=True)
     if logits.dim() < 2:
         _fail("logits", f"expected shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
-    b = prepare_rows(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, sampled_ids, rollout_logprob,
-                     rollout_topk_ids, rollout_topk_logprobs, response_mask, rollout_logits, validate, kept_mask,
-                     checks)
+    b = prepare_rows(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, rollout, validate, checks)
     b.logits = logits.reshape(-1, logits.shape[-1])
     return b
 
 
-def prepare_rows(
-    lead: tuple,
-    V: int,
-    device,
-    sampled_ids: torch.Tensor,
-    rollout_logprob: torch.Tensor,
-    rollout_topk_ids: torch.Tensor | None,
-    rollout_topk_logprobs: torch.Tensor | None,
-    response_mask: torch.Tensor | None,
-    rollout_logits: torch.Tensor | None = None,
-    validate: bool = True,
-    kept_mask: torch.Tensor | None = None,
-    checks: Checks | None = None,
-) -> Batch:
+def prepare_rows(lead: tuple, V: int, device, rollout, validate: bool = True, checks: Checks | None = None) -> Batch:
     """:func:`prepare` for rows whose logits (leading shape ``lead``, vocabulary ``V``) are
-    not materialised; the returned batch has ``logits=None``."""
-    _check_tensor("sampled_ids", sampled_ids, float_=False)
-    _check_shape("sampled_ids", sampled_ids, lead, "the leading dims of logits")
-    check_device("sampled_ids", sampled_ids, device)
-    _check_tensor("rollout_logprob", rollout_logprob, float_=True)
-    _check_shape("rollout_logprob", rollout_logprob, lead, "the leading dims of logits")
-    check_device("rollout_logprob", rollout_logprob, device)
-    if (rollout_topk_ids is None) != (rollout_topk_logprobs is None):
-        missing = "rollout_topk_logprobs" if rollout_topk_logprobs is None else "rollout_topk_ids"
-        _fail(missing, "must be given together with its partner (top-K ids and log-probs go in pairs)")
-    if rollout_topk_ids is not None:
-        _check_tensor("rollout_topk_ids", rollout_topk_ids, float_=False)
-        _check_tensor("rollout_topk_logprobs", rollout_topk_logprobs, float_=True)
-        if rollout_topk_ids.dim() != len(lead) + 1 or tuple(rollout_topk_ids.shape[:-1]) != lead:
-            _fail("rollout_topk_ids", f"expected shape {lead + ('K',)}, got {tuple(rollout_topk_ids.shape)}")
-        K = rollout_topk_ids.shape[-1]
-        _check_shape("rollout_topk_logprobs", rollout_topk_logprobs, lead + (K,), "same as rollout_topk_ids")
+    not materialised; the returned batch has ``logits=None``. ``rollout`` is a
+    :class:`pdmask.Rollout` (its types and top-K pair already checked there)."""
+    if not isinstance(rollout, Rollout):
+        _fail("rollout", f"must be a pdmask.Rollout, got {type(rollout).__name__}")
+    r = rollout
+    sampled_ids, sampled_logprob, topk_ids, topk_logprobs = r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs
+    _check_tensor("rollout.sampled_ids", sampled_ids, float_=False)
+    _check_shape("rollout.sampled_ids", sampled_ids, lead, "the leading dims of logits")
+    check_device("rollout.sampled_ids", sampled_ids, device)
+    _check_tensor("rollout.sampled_logprob", sampled_logprob, float_=True)
+    _check_shape("rollout.sampled_logprob", sampled_logprob, lead, "the leading dims of logits")
+    check_device("rollout.sampled_logprob", sampled_logprob, device)
+    if topk_ids is not None:
+        _check_tensor("rollout.topk_ids", topk_ids, float_=False)
+        _check_tensor("rollout.topk_logprobs", topk_logprobs, float_=True)
+        if topk_ids.dim() != len(lead) + 1 or tuple(topk_ids.shape[:-1]) != lead:
+            _fail("rollout.topk_ids", f"expected shape {lead + ('K',)}, got {tuple(topk_ids.shape)}")
+        K = topk_ids.shape[-1]
+        _check_shape("rollout.topk_logprobs", topk_logprobs, lead + (K,), "same as rollout.topk_ids")
         if K < 1:
-            _fail("rollout_topk_ids", "K must be at least 1")
+            _fail("rollout.topk_ids", "K must be at least 1")
         if K > V:
-            _fail("rollout_topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
-        check_device("rollout_topk_ids", rollout_topk_ids, device)
-        check_device("rollout_topk_logprobs", rollout_topk_logprobs, device)
+            _fail("rollout.topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
+        check_device("rollout.topk_ids", topk_ids, device)
+        check_device("rollout.topk_logprobs", topk_logprobs, device)
+    rollout_logits, kept_mask, response_mask = r.logits, r.kept_mask, r.response_mask
     if rollout_logits is not None:
-        _check_tensor("rollout_logits", rollout_logits, float_=True)
-        _check_shape("rollout_logits", rollout_logits, lead + (V,), "same as logits")
-        check_device("rollout_logits", rollout_logits, device)
+        _check_tensor("rollout.logits", rollout_logits, float_=True)
+        _check_shape("rollout.logits", rollout_logits, lead + (V,), "same as logits")
+        check_device("rollout.logits", rollout_logits, device)
     if kept_mask is not None:
-        if not isinstance(kept_mask, torch.Tensor) or kept_mask.dtype != torch.bool:
-            _fail("rollout_kept_mask", "must be a bool tensor (the engine's kept set), got "
-                  f"{getattr(kept_mask, 'dtype', type(kept_mask).__name__)}")
-        _check_shape("rollout_kept_mask", kept_mask, lead + (V,), "same as logits")
-        check_device("rollout_kept_mask", kept_mask, device)
+        if kept_mask.dtype != torch.bool:
+            _fail("rollout.kept_mask", f"must be a bool tensor (the engine's kept set), got {kept_mask.dtype}")
+        _check_shape("rollout.kept_mask", kept_mask, lead + (V,), "same as logits")
+        check_device("rollout.kept_mask", kept_mask, device)
     mask_values = None
     if response_mask is None:
         valid = torch.ones(lead, dtype=torch.bool, device=device)
     else:
-        if not isinstance(response_mask, torch.Tensor):
-            _fail("response_mask", f"must be a torch.Tensor, got {type(response_mask).__name__}")
         if response_mask.is_complex():
-            _fail("response_mask", f"must be bool or 0/1 values, got dtype {response_mask.dtype}")
-        _check_shape("response_mask", response_mask, lead, "the leading dims of logits")
-        check_device("response_mask", response_mask, device)
+            _fail("rollout.response_mask", f"must be bool or 0/1 values, got dtype {response_mask.dtype}")
+        _check_shape("rollout.response_mask", response_mask, lead, "the leading dims of logits")
+        check_device("rollout.response_mask", response_mask, device)
         valid = response_mask.bool()
         if response_mask.dtype != torch.bool:
             mask_values = response_mask.reshape(-1)
 
     valid = valid.reshape(-1)
     ids = sampled_ids.reshape(-1).long()
-    lp = rollout_logprob.reshape(-1)
+    lp = sampled_logprob.reshape(-1)
     tk_ids = tk_lp = None
-    if rollout_topk_ids is not None:
-        K = rollout_topk_ids.shape[-1]
-        tk_ids = rollout_topk_ids.reshape(-1, K).long()
-        tk_lp = rollout_topk_logprobs.reshape(-1, K)
+    if topk_ids is not None:
+        K = topk_ids.shape[-1]
+        tk_ids = topk_ids.reshape(-1, K).long()
+        tk_lp = topk_logprobs.reshape(-1, K)
 
     if validate:
         own = checks is None
         checks = Checks() if own else checks
         if mask_values is not None:
-            checks.add("response_mask", "must hold only 0/1 (or bool) values",
+            checks.add("rollout.response_mask", "must hold only 0/1 (or bool) values",
                        ((mask_values != 0) & (mask_values != 1)).any())
         _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks)
         if own:
@@ -262,7 +238,7 @@ def prepare_rows(
     return Batch(
         logits=None,
         sampled_ids=ids,
-        rollout_logprob=lp,
+        sampled_logprob=lp,
         topk_ids=tk_ids,
         topk_logprobs=tk_lp,
         rollout_logits=rl,
@@ -280,24 +256,24 @@ def _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks: Checks) -> None:
     def add(name, msg, flag):
         checks.add(name, msg, flag)
 
-    add("sampled_ids", f"ids must lie in [0, {V})", ((ids < 0) | (ids >= V))[v].any())
-    add("rollout_logprob", "contains NaN", torch.isnan(lp)[v].any())
-    add("rollout_logprob", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
+    add("rollout.sampled_ids", f"ids must lie in [0, {V})", ((ids < 0) | (ids >= V))[v].any())
+    add("rollout.sampled_logprob", "contains NaN", torch.isnan(lp)[v].any())
+    add("rollout.sampled_logprob", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
         (lp > LOGPROB_TOL)[v].any())
-    add("rollout_logprob", "the sampled token's log-prob must be finite (it was sampled, so mu_k > 0)",
+    add("rollout.sampled_logprob", "the sampled token's log-prob must be finite (it was sampled, so mu_k > 0)",
         torch.isinf(lp)[v].any())
     if tk_ids is not None:
         tv = v[:, None].expand_as(tk_ids)
-        add("rollout_topk_ids", f"ids must lie in [0, {V})", ((tk_ids < 0) | (tk_ids >= V))[tv].any())
+        add("rollout.topk_ids", f"ids must lie in [0, {V})", ((tk_ids < 0) | (tk_ids >= V))[tv].any())
         srt = tk_ids.sort(dim=-1).values
         dup = (srt[:, 1:] == srt[:, :-1]).any(-1) if tk_ids.shape[-1] > 1 else torch.zeros_like(v)
-        add("rollout_topk_ids", "duplicate ids in a top-K row", (dup & v).any())
-        add("rollout_topk_logprobs", "contains NaN", torch.isnan(tk_lp)[tv].any())
-        add("rollout_topk_logprobs", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
+        add("rollout.topk_ids", "duplicate ids in a top-K row", (dup & v).any())
+        add("rollout.topk_logprobs", "contains NaN", torch.isnan(tk_lp)[tv].any())
+        add("rollout.topk_logprobs", f"log-probs must be <= 0 (tolerance {LOGPROB_TOL}); got a positive value",
             (tk_lp > LOGPROB_TOL)[tv].any())
         tk64 = tk_lp.double()
         mass = tk64.exp().sum(-1)
-        add("rollout_topk_logprobs", f"top-K probability mass exceeds 1 + {MASS_TOL}",
+        add("rollout.topk_logprobs", f"top-K probability mass exceeds 1 + {MASS_TOL}",
             ((mass > 1 + MASS_TOL) & v).any())
         # the sampled token in its own top-K row: the two log-probs are one number
         hit = tk_ids == ids[:, None]  # (N, K)
@@ -306,10 +282,10 @@ def _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks: Checks) -> None:
         own = torch.where(hit, tk64, torch.zeros_like(tk64)).sum(-1)  # its top-K entry (0 if absent)
         off = (own - lp64).abs() > MATCH_ATOL + MATCH_RTOL * lp64.abs()
         off = off | (hit & ~torch.isfinite(tk64)).any(-1)
-        add("rollout_logprob", "the sampled token is in the top-K list with a different log-prob there "
-            f"(rollout_topk_logprobs); they must agree within {MATCH_ATOL} + {MATCH_RTOL:.4g} * |log-prob|",
+        add("rollout.sampled_logprob", "the sampled token is in the top-K list with a different log-prob there "
+            f"(rollout.topk_logprobs); they must agree within {MATCH_ATOL} + {MATCH_RTOL:.4g} * |log-prob|",
             (off & in_topk & v).any())
         # outside the top-K, the sampled token adds its own mass to the support
         total = mass + torch.where(in_topk, torch.zeros_like(lp64), lp64.exp())
-        add("rollout_logprob", "the top-K mass plus the sampled token's probability (it is not in the "
+        add("rollout.sampled_logprob", "the top-K mass plus the sampled token's probability (it is not in the "
             f"top-K list) exceeds 1 + {MASS_TOL}", ((total > 1 + MASS_TOL) & ~in_topk & v).any())

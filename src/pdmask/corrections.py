@@ -36,7 +36,7 @@ over the response tokens (``response_mask``), independent of the token mask, as 
 
 Naive torch equivalent of the sequence-level TIS weight and a ``seq_mean_k3`` rule::
 
-    lr = (logp - rollout_logp).where(mask, 0)
+    lr = (logp - sampled_logprob).where(mask, 0)
     w = lr.sum(-1).exp().clamp(max=C)[:, None].expand_as(lr)
     keep = ((lr.clamp(-20, 20).exp() - 1 - lr.clamp(-20, 20)) * mask).sum(-1) / mask.sum(-1) <= hi
 """
@@ -44,11 +44,12 @@ Naive torch equivalent of the sequence-level TIS weight and a ``seq_mean_k3`` ru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ._validate import check_choice, check_positive
+from .divergences import floor_neginf, masked_mean
 from .stats import MAX_LOG_RATIO
 
 #: IS weight levels (verl ``rollout_is``): ``None`` (no weight), per token, per sequence.
@@ -71,16 +72,82 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class CorrectionSpec:
-    """The checked correction arguments of one call (built by :func:`check_corrections`)."""
+class Corrections:
+    """The off-policy corrections of one loss (module docstring), checked here, once.
+
+    Attributes (verl / TRL meanings in the module docstring):
+        is_level: ``"token"`` (default), ``"sequence"`` or None (no IS weight).
+        is_cap: upper bound C of every IS weight (``inf``: only ``MAX_LOG_RATIO``); in
+            ``grpo`` the dual-clip constant.
+        is_floor: lower bound of the weight (None: none); truncates, or masks with ``is_mask``.
+        is_mask: mask outside ``[is_floor, is_cap]`` instead of truncating (MIS, IcePop).
+        is_batch_normalize: divide the weights by their batch mean (verl).
+        rejection, rejection_threshold: verl's ``rollout_rs`` rules and thresholds,
+            parsed into :attr:`rules`.
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask (None: off).
+
+    An error names the field (``is_floor: must be below is_cap ...``). The refusals that
+    depend on the mode's surrogate are :meth:`check_surrogate`.
+    """
 
     is_level: str | None = "token"
     is_cap: float = 5.0
     is_floor: float | None = None
     is_mask: bool = False
     is_batch_normalize: bool = False
-    rules: tuple = ()
+    rejection: str | tuple | list | None = None
+    rejection_threshold: object = None
     off_policy_mask_threshold: float | None = None
+    rules: tuple = field(init=False, default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        is_level, is_cap, is_floor = self.is_level, self.is_cap, self.is_floor
+        if is_level not in IS_LEVELS:
+            raise ValueError(f"is_level: unknown value {is_level!r}; valid values are: None, token, sequence")
+        check_positive("is_cap", is_cap, allow_inf=True)
+        if is_floor is not None:
+            check_positive("is_floor", is_floor)
+            if is_floor >= is_cap:
+                raise ValueError(f"is_floor: must be below is_cap = {is_cap}, got {is_floor}")
+        for name in ("is_mask", "is_batch_normalize"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}: expected True or False, got {v!r}")
+        if self.is_mask and is_level is None:
+            raise ValueError("is_mask: needs is_level='token' or 'sequence' (the ratio whose bounds mask)")
+        if self.is_batch_normalize and is_level is None:
+            raise ValueError("is_batch_normalize: needs is_level='token' or 'sequence' (there is no weight to normalise)")
+        check_positive("off_policy_mask_threshold", self.off_policy_mask_threshold)
+        object.__setattr__(self, "rules", parse_rejection(self.rejection, self.rejection_threshold))
+        object.__setattr__(self, "is_cap", float(is_cap))
+        if is_floor is not None:
+            object.__setattr__(self, "is_floor", float(is_floor))
+        if self.off_policy_mask_threshold is not None:
+            object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
+
+    @classmethod
+    def from_fields(cls, obj, **overrides) -> "Corrections":
+        """The corrections of a config object whose attributes carry these field names
+        (the trainer's and the TRL config); ``overrides`` replace single fields."""
+        kw = {name: getattr(obj, name) for name in FIELDS}
+        kw.update(overrides)
+        return cls(**kw)
+
+    def check_surrogate(self, surrogate: str) -> None:
+        """With the ``ppo-clip`` surrogate (``grpo``) the PPO ratio ``pi/mu`` already carries
+        the token IS weight, so only masks apply there: a weight that would count it twice
+        (``is_level="sequence"``, ``is_floor`` without ``is_mask``, ``is_batch_normalize``)
+        is refused."""
+        if surrogate != "ppo-clip":
+            return
+        if self.is_level == "sequence" and not self.is_mask:
+            raise ValueError("is_level: 'sequence' weights are refused with grpo (ppo-clip): its ratio pi/mu already "
+                             "is the token IS weight; use is_mask=True for a sequence mask")
+        if self.is_floor is not None and not self.is_mask:
+            raise ValueError("is_floor: truncating from below is refused with grpo (ppo-clip): its ratio pi/mu is "
+                             "clipped by eps_low; use is_mask=True to mask below is_floor")
+        if self.is_batch_normalize:
+            raise ValueError("is_batch_normalize: refused with grpo (ppo-clip), which applies no separate IS weight")
 
     @property
     def default_weight(self) -> bool:
@@ -92,6 +159,10 @@ class CorrectionSpec:
     def active(self) -> bool:
         """Anything beyond the default token TIS (a mask, a rule, another weight)."""
         return not self.default_weight or bool(self.rules) or self.off_policy_mask_threshold is not None
+
+
+#: The correction fields, in one place: what a config object maps onto :class:`Corrections`.
+FIELDS = tuple(f.name for f in fields(Corrections) if f.init)
 
 
 def _number(name: str, text) -> float:
@@ -163,50 +234,10 @@ def _rule(name: str, spec) -> Rule:
     return Rule(name, lo, hi)
 
 
-def check_corrections(*, is_level="token", is_cap=5.0, is_floor=None, is_mask=False, is_batch_normalize=False,
-                      rejection=None, rejection_threshold=None, off_policy_mask_threshold=None,
-                      surrogate: str = "dppo") -> CorrectionSpec:
-    """Check the correction arguments (one-line errors naming the argument) and return
-    their :class:`CorrectionSpec`. With the ``ppo-clip`` surrogate (``grpo``) the PPO ratio
-    ``pi/mu`` already carries the token IS weight, so only masks apply there: a weight
-    that would count it twice (``is_level="sequence"``, ``is_floor`` without ``is_mask``,
-    ``is_batch_normalize``) is refused."""
-    if is_level not in IS_LEVELS:
-        raise ValueError(f"is_level: unknown value {is_level!r}; valid values are: None, token, sequence")
-    check_positive("is_cap", is_cap, allow_inf=True)
-    if is_floor is not None:
-        check_positive("is_floor", is_floor)
-        if is_floor >= is_cap:
-            raise ValueError(f"is_floor: must be below is_cap = {is_cap}, got {is_floor}")
-    for name, v in (("is_mask", is_mask), ("is_batch_normalize", is_batch_normalize)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name}: expected True or False, got {v!r}")
-    if is_mask and is_level is None:
-        raise ValueError("is_mask: needs is_level='token' or 'sequence' (the ratio whose bounds mask)")
-    if is_batch_normalize and is_level is None:
-        raise ValueError("is_batch_normalize: needs is_level='token' or 'sequence' (there is no weight to normalise)")
-    check_positive("off_policy_mask_threshold", off_policy_mask_threshold)
-    rules = parse_rejection(rejection, rejection_threshold)
-    if surrogate == "ppo-clip":
-        if is_level == "sequence" and not is_mask:
-            raise ValueError("is_level: 'sequence' weights are refused with grpo (ppo-clip): its ratio pi/mu already "
-                             "is the token IS weight; use is_mask=True for a sequence mask")
-        if is_floor is not None and not is_mask:
-            raise ValueError("is_floor: truncating from below is refused with grpo (ppo-clip): its ratio pi/mu is "
-                             "clipped by eps_low; use is_mask=True to mask below is_floor")
-        if is_batch_normalize:
-            raise ValueError("is_batch_normalize: refused with grpo (ppo-clip), which applies no separate IS weight")
-    return CorrectionSpec(is_level, float(is_cap), None if is_floor is None else float(is_floor), is_mask,
-                          is_batch_normalize, rules, None if off_policy_mask_threshold is None
-                          else float(off_policy_mask_threshold))
-
-
 # ------------------------------------------------------------------ helpers
 def _floored(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``log r`` with -inf (a sampled token the trainer gives probability 0) at the dtype's
-    floor, so that sums and means stay finite (as :func:`pdmask.loss.token_loss` does)."""
-    floor = math.log(torch.finfo(log_ratio.dtype).tiny)
-    return torch.where(torch.isneginf(log_ratio), torch.full_like(log_ratio, floor), log_ratio.detach())
+    """``log r`` detached, with -inf at the dtype's floor so that sums and means stay finite."""
+    return floor_neginf(log_ratio.detach())
 
 
 def _frac(flags: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -235,27 +266,25 @@ def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the three stages
-def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, *, is_level="token",
-                       is_cap: float = 5.0, is_floor: float | None = None, is_mask: bool = False,
-                       is_batch_normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor,
+                       corrections: Corrections | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The IS weight of each response token and the tokens its bounds mask.
 
     Args:
         log_ratio: (B, T) ``log pi_k - log mu_k`` (detached; padding may hold anything).
         response_mask: (B, T) bool.
-        is_level, is_cap, is_floor, is_mask, is_batch_normalize: see the module docstring.
+        corrections: its ``is_*`` fields (see the module docstring); None: ``Corrections()``.
 
     Returns ``(w, keep, metrics)``: ``w`` (B, T) detached (0 on padding and on masked
     tokens), ``keep`` (B, T) bool (False where ``is_mask`` rejects), detached metrics
     ``is_weight_mean/min/max`` over response tokens, ``is_truncated_frac`` (TIS) or
     ``masked_frac_is`` / ``seq_masked_frac_is`` (``is_mask``).
     """
-    spec = check_corrections(is_level=is_level, is_cap=is_cap, is_floor=is_floor, is_mask=is_mask,
-                             is_batch_normalize=is_batch_normalize)
+    spec = Corrections() if corrections is None else corrections
     return _importance(spec, log_ratio, response_mask.bool())
 
 
-def _importance(spec: CorrectionSpec, log_ratio, valid):
+def _importance(spec: Corrections, log_ratio, valid):
     lr = _floored(log_ratio)
     if spec.is_level is None:
         w = torch.ones_like(lr)
@@ -277,7 +306,7 @@ def _importance(spec: CorrectionSpec, log_ratio, valid):
             m = {"is_truncated_frac": _frac(out, valid, lr.dtype)}
         if spec.is_batch_normalize:
             if spec.is_level == "token":
-                mean = _masked_mean(w, valid)
+                mean = masked_mean(w, valid)
             else:
                 has = valid.any(-1)
                 seq_w = _seq_mean(w, valid)
@@ -289,15 +318,11 @@ def _importance(spec: CorrectionSpec, log_ratio, valid):
     big = torch.finfo(w.dtype).max
     w_min = torch.where(valid, w, torch.full_like(w, big)).min() if w.numel() else w.new_zeros(())
     m.update({
-        "is_weight_mean": _masked_mean(w, valid),
+        "is_weight_mean": masked_mean(w, valid),
         "is_weight_min": torch.where(valid.any(), w_min, torch.zeros_like(w_min)),  # 0 for an empty batch
         "is_weight_max": torch.where(valid, w, torch.zeros_like(w)).max() if w.numel() else w.new_zeros(()),
     })
     return w.detach(), keep | ~valid, {k: v.detach() for k, v in m.items()}
-
-
-def _masked_mean(x, valid):
-    return torch.where(valid, x, torch.zeros_like(x)).sum() / valid.sum().clamp(min=1)
 
 
 def rule_statistic(name: str, log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -380,9 +405,9 @@ class CorrectionResult:
     metrics: dict
 
 
-def apply_corrections(spec: CorrectionSpec, log_ratio: torch.Tensor, advantages: torch.Tensor,
+def apply_corrections(spec: Corrections, log_ratio: torch.Tensor, advantages: torch.Tensor,
                       response_mask: torch.Tensor, *, surrogate: str = "dppo") -> CorrectionResult:
-    """All three stages on (B, T) tensors for a checked :class:`CorrectionSpec`.
+    """All three stages on (B, T) tensors for a :class:`Corrections`.
 
     The weight is returned only where it differs from the surrogate's own: with the
     ``dppo`` surrogate and a non-default spec; never with ``ppo-clip``, whose ratio is

@@ -64,9 +64,9 @@ def _tail_mean_pi(s: Support, p2: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- ratio
-def log_ratio(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+def log_ratio(logp: torch.Tensor, sampled_logprob: torch.Tensor) -> torch.Tensor:
     """``log r = log pi_k - log mu_k``: the ratio direction's signed value (sign of ``r - 1``)."""
-    return logp - rollout_logp
+    return logp - sampled_logprob
 
 
 # ---------------------------------------------------------------------- binary
@@ -81,18 +81,18 @@ def _dpik(logp: torch.Tensor, sum_p2: torch.Tensor) -> torch.Tensor:
     return pk, c
 
 
-def ddot_binary_tv(logp, rollout_logp, sum_p2) -> torch.Tensor:
+def ddot_binary_tv(logp, sampled_logprob, sum_p2) -> torch.Tensor:
     """``sign(pi_k - mu_k) * pi_k (1 - 2 pi_k + sum pi^2)``; its sign is the ratio direction."""
     pk, c = _dpik(logp, sum_p2)
-    return torch.sign(logp - rollout_logp) * pk * c
+    return torch.sign(logp - sampled_logprob) * pk * c
 
 
-def ddot_binary_kl(logp, rollout_logp, sum_p2) -> torch.Tensor:
+def ddot_binary_kl(logp, sampled_logprob, sum_p2) -> torch.Tensor:
     """``(pi_k - mu_k) / (pi_k (1 - pi_k)) * d pi_k``; sign equals the ratio direction."""
     pk, c = _dpik(logp, sum_p2)
     one_minus = (-torch.expm1(logp)).clamp(min=torch.finfo(pk.dtype).tiny)
-    mag = (pk - rollout_logp.exp()).abs() * c / one_minus
-    return torch.sign(logp - rollout_logp) * mag
+    mag = (pk - sampled_logprob.exp()).abs() * c / one_minus
+    return torch.sign(logp - sampled_logprob) * mag
 
 
 # ----------------------------------------------------------------------- top-K

@@ -17,13 +17,29 @@ from dataclasses import dataclass
 import torch
 
 
+def log_floor(dtype: torch.dtype) -> float:
+    """The log floor of a dtype: log(smallest normal) (-87.3 in fp32). The one definition."""
+    return math.log(torch.finfo(dtype).tiny)
+
+
 def floor_log(x: torch.Tensor) -> torch.Tensor:
-    """Floor a log-probability at log(smallest normal) of its dtype (-87.3 in fp32).
+    """Floor a log-probability at :func:`log_floor` of its dtype.
 
     The one floor of the divergences' logs: those here and the full-vocabulary KL of
     :mod:`pdmask.ops`.
     """
-    return x.clamp(min=math.log(torch.finfo(x.dtype).tiny))
+    return x.clamp(min=log_floor(x.dtype))
+
+
+def floor_neginf(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -inf (a sampled token the trainer gives probability 0) at :func:`log_floor`,
+    finite values untouched (their gradient too): the loss's and the corrections' floor."""
+    return torch.where(torch.isneginf(x), torch.full_like(x, log_floor(x.dtype)), x)
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``valid`` (0 when none): ``x[valid].mean()`` without the sync."""
+    return torch.where(valid, x, torch.zeros_like(x)).sum() / valid.sum().clamp(min=1)
 
 
 def _xlog_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -40,20 +56,20 @@ def log1mexp(logp: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- binary
-def binary_tv(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
-    """Binary TV ``|pi_k - mu_k|``. Naive torch: ``(logp.exp() - rollout_logp.exp()).abs()``."""
-    return (logp.exp() - rollout_logp.exp()).abs()
+def binary_tv(logp: torch.Tensor, sampled_logprob: torch.Tensor) -> torch.Tensor:
+    """Binary TV ``|pi_k - mu_k|``. Naive torch: ``(logp.exp() - sampled_logprob.exp()).abs()``."""
+    return (logp.exp() - sampled_logprob.exp()).abs()
 
 
-def binary_kl(logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+def binary_kl(logp: torch.Tensor, sampled_logprob: torch.Tensor) -> torch.Tensor:
     """Binary KL ``mu_k log(mu_k/pi_k) + (1-mu_k) log((1-mu_k)/(1-pi_k))``.
 
     The Bernoulli KL of "sampled token vs everything else". Computed from log-probs with
     ``log1mexp`` so that pi_k -> 1 or mu_k -> 1 stays finite.
     """
-    mu = rollout_logp.exp()
-    a = mu * (rollout_logp - floor_log(logp))
-    b = _xlog_ratio(-torch.expm1(rollout_logp), log1mexp(rollout_logp), log1mexp(logp))
+    mu = sampled_logprob.exp()
+    a = mu * (sampled_logprob - floor_log(logp))
+    b = _xlog_ratio(-torch.expm1(sampled_logprob), log1mexp(sampled_logprob), log1mexp(logp))
     return (a + b).clamp(min=0.0)
 
 
@@ -90,10 +106,10 @@ class Support:
 def build_support(
     sampled_ids: torch.Tensor,  # (N,)
     logp: torch.Tensor,  # (N,) log pi_k
-    rollout_logp: torch.Tensor,  # (N,) log mu_k
+    sampled_logprob: torch.Tensor,  # (N,) log mu_k
     topk_ids: torch.Tensor,  # (N, K)
     topk_logp: torch.Tensor,  # (N, K) log pi at the top-K ids
-    rollout_topk_logp: torch.Tensor,  # (N, K) log mu at the top-K ids
+    topk_logprobs: torch.Tensor,  # (N, K) log mu at the top-K ids
     sum_p2: torch.Tensor,  # (N,) sum_i pi_i^2 over the whole vocabulary
     vocab_size: int,
 ) -> Support:
@@ -105,7 +121,7 @@ def build_support(
     extra = ~in_topk
     neg_inf = torch.full_like(logp, float("-inf"))
     logpi = torch.cat([topk_logp.to(dt), torch.where(extra, logp, neg_inf)[:, None]], 1)
-    logmu = torch.cat([rollout_topk_logp.to(dt), torch.where(extra, rollout_logp.to(dt), neg_inf)[:, None]], 1)
+    logmu = torch.cat([topk_logprobs.to(dt), torch.where(extra, sampled_logprob.to(dt), neg_inf)[:, None]], 1)
     valid = torch.cat([torch.ones_like(hit), extra[:, None]], 1)
     pi = logpi.exp()
     mu = logmu.exp()

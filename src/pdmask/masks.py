@@ -31,12 +31,38 @@ Stats = Mapping[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Trust-region thresholds: ``delta_*`` for divergence regions, ``eps_*`` for ratio regions."""
+    """Trust-region thresholds: ``delta_*`` for divergence regions (A < 0 / A > 0), ``eps_*``
+    for the ratio region of ``grpo`` (``r`` outside ``[1 - eps_low, 1 + eps_high]``;
+    clip-higher: ``eps_high = 0.28``).
 
-    delta_low: float
-    delta_high: float
-    eps_low: float
-    eps_high: float
+    ``delta_low`` / ``delta_high`` None mean the mode's ``default_delta`` (0.05 for KL,
+    0.15 for TV), filled in by :meth:`resolve`. Checked here, once: deltas positive (inf
+    allowed: never out of region), ``eps_*`` positive finite, ``eps_low < 1``.
+    """
+
+    delta_low: float | None = None
+    delta_high: float | None = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("delta_low", "delta_high", "eps_low", "eps_high"):
+            v = getattr(self, name)
+            if v is None and name.startswith("eps"):
+                raise ValueError(f"{name}: must be a positive number, got None")
+            check_positive(name, v, allow_inf=name.startswith("delta"))
+        if self.eps_low >= 1:
+            # the clip range [1 - eps_low, 1 + eps_high] would reach r <= 0: no lower clip at all
+            raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), "
+                             f"got {self.eps_low!r}")
+
+    def resolve(self, mode: "MaskMode") -> "Thresholds":
+        """These thresholds with a None delta replaced by the mode's default."""
+        if self.delta_low is not None and self.delta_high is not None:
+            return self
+        dl = mode.default_delta if self.delta_low is None else self.delta_low
+        dh = mode.default_delta if self.delta_high is None else self.delta_high
+        return Thresholds(dl, dh, self.eps_low, self.eps_high)
 
 
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
@@ -200,25 +226,14 @@ def check_inputs_for(mode: MaskMode, has_topk: bool, has_full: bool, has_batch: 
         raise ValueError(f"batch_ddot: mode {mode.name!r} needs the batch direction (B, T) from "
                          "pdmask.batchmask.batch_mask(...).ddot")
     if "topk" in mode.needs and not has_topk:
-        raise ValueError(f"rollout_topk_ids: mode {mode.name!r} needs the rollout top-K ids and log-probs")
+        raise ValueError(f"rollout.topk_ids: mode {mode.name!r} needs the rollout top-K ids and log-probs")
     if "full" in mode.needs and not has_full:
-        raise ValueError(f"rollout_logits: mode {mode.name!r} needs the rollout policy's full logits")
+        raise ValueError(f"rollout.logits: mode {mode.name!r} needs the rollout policy's full logits")
 
 
 def diagnostic_divergence(mode: MaskMode, stats: Stats) -> str:
     """The divergence a mode reports; ``topk_kl`` falls back to ``binary_kl`` without top-K."""
     return mode.divergence if mode.divergence in stats else "binary_kl"
-
-
-def resolve_thresholds(mode: MaskMode, delta_low, delta_high, eps_low, eps_high) -> Thresholds:
-    dl = mode.default_delta if delta_low is None else delta_low
-    dh = mode.default_delta if delta_high is None else delta_high
-    for name, v in (("delta_low", dl), ("delta_high", dh), ("eps_low", eps_low), ("eps_high", eps_high)):
-        check_positive(name, v, allow_inf=name.startswith("delta"))
-    if eps_low >= 1:
-        # the clip range [1 - eps_low, 1 + eps_high] would reach r <= 0: no lower clip at all
-        raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), got {eps_low!r}")
-    return Thresholds(dl, dh, eps_low, eps_high)
 
 
 @dataclass
@@ -233,11 +248,14 @@ class MaskResult:
     divergence: torch.Tensor  # the diagnostic divergence values
 
 
-def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: str,
-                    thresholds: Thresholds) -> MaskResult:
-    """Apply a mode to precomputed statistics (flat or shaped alike; ``advantages`` same shape)."""
+def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: str = "exact",
+                    thresholds: Thresholds | None = None) -> MaskResult:
+    """Apply a mode to precomputed statistics (flat or shaped alike; ``advantages`` same shape).
+
+    ``thresholds`` None: ``Thresholds()`` (the mode's default deltas)."""
     mode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
+    thresholds = (Thresholds() if thresholds is None else thresholds).resolve(mode)
     adv = advantages.to(stats["log_ratio"].dtype)
     div = diagnostic_divergence(mode, stats)
     if getattr(mode.region, "divergence", None) is not None and mode.region.divergence not in stats:

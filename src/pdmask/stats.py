@@ -11,7 +11,7 @@ Naive torch equivalent of :func:`stats_from_batch` (binary part)::
 
     logq = torch.log_softmax(logits.float() / T, -1)               # (N, V)
     logp = logq.gather(1, k[:, None])[:, 0]; sum_p2 = logq.exp().pow(2).sum(-1)
-    binary_stats(logp, rollout_logp, sum_p2)
+    binary_stats(logp, sampled_logprob, sum_p2)
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 from . import directions as dirs
 from . import divergences as divs
 from . import ops
-from ._validate import Batch, Checks, check_chunk_size, check_positive, prepare
+from ._validate import Batch, Checks, prepare
 from .keys import ESTIMATORS, ddot_key
+from .rollout import Rollout
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
 #: ``ratio`` statistic, the IS weight ``min(r, C)`` and the PPO ratio of the loss
@@ -37,23 +38,23 @@ def capped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.clamp(max=MAX_LOG_RATIO).exp()
 
 
-def binary_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, sum_p2: torch.Tensor) -> dict[str, torch.Tensor]:
+def binary_stats(logp: torch.Tensor, sampled_logprob: torch.Tensor, sum_p2: torch.Tensor) -> dict[str, torch.Tensor]:
     """The statistics of the sampled token alone, from (N,) ``log pi_k``, ``log mu_k`` and
     ``sum_i pi_i^2`` (detached inputs): ``log_ratio``, ``ratio`` (capped, see
     :data:`MAX_LOG_RATIO`), ``binary_tv``, ``binary_kl``, ``ddot_binary_tv``,
     ``ddot_binary_kl``.
 
-    Naive torch: ``log_ratio = logp - rollout_logp``; ``binary_tv = |exp(logp) -
-    exp(rollout_logp)|``; the rest in :mod:`pdmask.divergences` / :mod:`pdmask.directions`.
+    Naive torch: ``log_ratio = logp - sampled_logprob``; ``binary_tv = |exp(logp) -
+    exp(sampled_logprob)|``; the rest in :mod:`pdmask.divergences` / :mod:`pdmask.directions`.
     """
-    log_ratio = dirs.log_ratio(logp, rollout_logp)
+    log_ratio = dirs.log_ratio(logp, sampled_logprob)
     return {
         "log_ratio": log_ratio,
         "ratio": capped_ratio(log_ratio),
-        "binary_tv": divs.binary_tv(logp, rollout_logp),
-        "binary_kl": divs.binary_kl(logp, rollout_logp),
-        ddot_key("binary_tv"): dirs.ddot_binary_tv(logp, rollout_logp, sum_p2),
-        ddot_key("binary_kl"): dirs.ddot_binary_kl(logp, rollout_logp, sum_p2),
+        "binary_tv": divs.binary_tv(logp, sampled_logprob),
+        "binary_kl": divs.binary_kl(logp, sampled_logprob),
+        ddot_key("binary_tv"): dirs.ddot_binary_tv(logp, sampled_logprob, sum_p2),
+        ddot_key("binary_kl"): dirs.ddot_binary_kl(logp, sampled_logprob, sum_p2),
     }
 
 
@@ -78,29 +79,27 @@ def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int)
 
 
 def stats_from_batch(
-    batch: Batch, *, temperature: float, chunk_rows: int | None = None, impl: str = "auto",
-    validate: bool = True, sampling: ops.Sampling | None = None, chunk_cols: int | None = None,
+    batch: Batch, *, sampling: ops.Sampling, compute: ops.Compute, validate: bool = True,
 ) -> dict[str, torch.Tensor]:
     """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient.
 
-    ``chunk_rows`` (None: each implementation's default) and ``impl`` (see
-    :func:`pdmask.ops.row_stats`; ``"auto"`` never needs Triton on CPU) are passed to
-    :mod:`pdmask.ops`. ``sampling`` (checked truncation parameters) or ``batch.kept_mask``
-    make every statistic that of pi renormalised over the kept set and add
-    ``kept_mass``, ``kept_size``, ``sampled_outside`` (and, with top-K,
-    ``kept_topk_mismatch``). A batch with ``hidden`` states goes to
-    :func:`pdmask.ops.hidden_row_stats` (``chunk_cols`` vocabulary columns per chunk).
+    ``compute`` (:class:`pdmask.ops.Compute`: ``impl``, ``chunk_rows``, ``chunk_cols``) is
+    passed to :mod:`pdmask.ops`; ``"auto"`` never needs Triton on CPU. ``sampling`` gives
+    the temperature; its truncation (or ``batch.kept_mask``) makes every statistic that
+    of pi renormalised over the kept set and adds ``kept_mass``, ``kept_size``,
+    ``sampled_outside`` (and, with top-K, ``kept_topk_mismatch``). A batch with ``hidden``
+    states goes to :func:`pdmask.ops.hidden_row_stats`.
     """
-    trunc = {} if sampling is None else dict(sampling_top_k=sampling.top_k, sampling_top_p=sampling.top_p,
-                                             sampling_min_p=sampling.min_p)
+    trunc = sampling if sampling.truncated else None
+    T = sampling.temperature
     if batch.hidden is not None:
         red = ops.hidden_row_stats(batch.hidden, batch.lm_head_weight, batch.sampled_ids, batch.topk_ids,
-                                   temperature=temperature, chunk_cols=chunk_cols, chunk_rows=chunk_rows,
-                                   validate=False, kept_mask=batch.kept_mask, **trunc)
+                                   temperature=T, chunk_cols=compute.chunk_cols, chunk_rows=compute.chunk_rows,
+                                   validate=False, kept_mask=batch.kept_mask, truncation=trunc)
     else:
-        red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=temperature,
-                            chunk_rows=chunk_rows, impl=impl, validate=False, rollout_logits=batch.rollout_logits,
-                            kept_mask=batch.kept_mask, **trunc)
+        red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=T,
+                            chunk_rows=compute.chunk_rows, impl=compute.impl, validate=False,
+                            rollout_logits=batch.rollout_logits, kept_mask=batch.kept_mask, truncation=trunc)
     if validate:  # one host sync, made only when validating (off on a trusted hot path)
         v = batch.valid
         checks = Checks()
@@ -109,18 +108,18 @@ def stats_from_batch(
                    (~torch.isfinite(red["lse"]) & v).any())
         if batch.rollout_logits is not None:
             bad = ~(torch.isfinite(red["full_tv"]) & torch.isfinite(red["full_mu_k"]))
-            checks.add("rollout_logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
+            checks.add("rollout.logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
                        (bad & v).any())
         checks.run()
     red = _sanitise_padding(red, batch.valid, batch.vocab_size)
     logp, lse = red["logp"], red["lse"]
     logp_d = logp.detach()
-    rlp = batch.rollout_logprob.to(lse.dtype)
+    rlp = batch.sampled_logprob.to(lse.dtype)
     sum_p2 = red["sum_p2"]
     bin_ = binary_stats(logp_d, rlp, sum_p2)
     st = {
         "logp": logp,
-        "rollout_logp": rlp,
+        "sampled_logprob": rlp,
         "log_ratio": bin_.pop("log_ratio"),
         "ratio": bin_.pop("ratio"),
         "entropy": red["entropy"],
@@ -162,84 +161,56 @@ def stats_from_batch(
     return st
 
 
-def check_truncation(impl: str, top_k, top_p, min_p, kept_mask, rollout_logits) -> ops.Sampling | None:
-    """The scalar checks of truncated sampling (before any tensor is read): the parameters,
-    not both a kept set and parameters, no ``rollout_logits``, no Triton."""
-    ops.check_impl(impl)
-    sampling = ops.check_sampling(top_k, top_p, min_p)
-    truncated = sampling is not None or kept_mask is not None
-    if kept_mask is not None and sampling is not None:
-        raise ValueError("rollout_kept_mask: give either the engine's kept set or the sampling parameters "
-                         "(sampling_top_k / top_p / min_p), not both")
-    if truncated and rollout_logits is not None:
-        raise ValueError("rollout_logits: the full-vocabulary modes are not available with truncated sampling")
-    if truncated and impl == "triton":
-        raise ValueError("impl: 'triton' has no kernel for truncated sampling; use impl='torch' or 'auto'")
-    return sampling
-
-
 def unflatten(stats: dict[str, torch.Tensor], lead_shape: tuple) -> dict[str, torch.Tensor]:
     return {k: v.reshape(lead_shape + tuple(v.shape[1:])) for k, v in stats.items()}
 
 
 def token_stats(
     logits: torch.Tensor,
-    sampled_ids: torch.Tensor,
-    rollout_logprob: torch.Tensor,
-    rollout_topk_ids: torch.Tensor | None = None,
-    rollout_topk_logprobs: torch.Tensor | None = None,
+    rollout,
     *,
-    response_mask: torch.Tensor | None = None,
-    rollout_logits: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
+    sampling: ops.Sampling | None = None,
+    compute: ops.Compute | None = None,
     validate: bool = True,
-    impl: str = "auto",
-    sampling_top_k: int | None = None,
-    sampling_top_p: float | None = None,
-    sampling_min_p: float | None = None,
-    rollout_kept_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every per-token statistic of the library, shaped like ``sampled_ids``.
+    """Every per-token statistic of the library, shaped like ``rollout.sampled_ids``.
 
     Args:
         logits: (B, T, V) trainer logits (any float dtype; reduced in float32, or
-            float64 for float64 input). ``pi = softmax(logits / temperature)``.
-        sampled_ids: (B, T) tokens the rollout engine sampled.
-        rollout_logprob: (B, T) engine log-prob ``log mu_k`` of the sampled token.
-        rollout_topk_ids, rollout_topk_logprobs: (B, T, K) engine top-K view of mu
-            (optional; without them there are no top-K keys).
-        response_mask: (B, T) positions to check (others are padding, sanitised).
-        rollout_logits: (B, T, V) the rollout policy's full logits, same temperature
-            (simulation / oracle path; adds the ``full_*`` keys).
-        chunk_size: rows per chunk of the vocabulary reductions (default: a cache-sized
-            chunk for ``impl="torch"``, 16 M elements for ``"reference"``).
-        impl: row-reduction implementation (:func:`pdmask.ops.row_stats`): ``"auto"``
-            (Triton for CUDA logits when installed, else the chunked torch path; never
-            needs Triton on CPU), ``"torch"``, ``"triton"``, ``"reference"``.
-        sampling_top_k, sampling_top_p, sampling_min_p, rollout_kept_mask: truncated
-            sampling (see :func:`pdmask.policy_loss`): statistics of pi renormalised over
-            the kept set; adds ``kept_mass``, ``kept_size``, ``sampled_outside``
-            (and ``kept_topk_mismatch`` with top-K).
+            float64 for float64 input). ``pi = softmax(logits / sampling.temperature)``.
+        rollout: :class:`pdmask.Rollout` (its top-K optional: without it there are no
+            top-K keys; its ``logits``, the rollout policy's full logits at the same
+            temperature, add the ``full_*`` keys; its ``response_mask`` marks the
+            positions to check, the others are padding, sanitised).
+        sampling: :class:`pdmask.Sampling` (None: temperature 1, no truncation); with
+            truncation (or ``rollout.kept_mask``) the statistics are those of pi
+            renormalised over the kept set, plus ``kept_mass``, ``kept_size``,
+            ``sampled_outside`` (and ``kept_topk_mismatch`` with top-K).
+        compute: :class:`pdmask.ops.Compute` (None: ``impl="auto"``, each
+            implementation's default chunk).
 
     Returns a dict (``log_ratio = log pi_k - log mu_k``, ``ratio = exp(log_ratio)``
     capped at ``exp(MAX_LOG_RATIO)``):
-      ``logp`` (differentiable log pi_k), ``rollout_logp``, ``log_ratio``, ``ratio``,
-      ``entropy``, ``sum_p2``, ``binary_tv``, ``binary_kl``, ``ddot_binary_tv``,
+      ``logp`` (differentiable log pi_k), ``sampled_logprob`` (log mu_k), ``log_ratio``,
+      ``ratio``, ``entropy``, ``sum_p2``, ``binary_tv``, ``binary_kl``, ``ddot_binary_tv``,
       ``ddot_binary_kl``; with top-K: ``topk_kl``, ``topk_tv``,
       ``ddot_topk_{kl,tv}_{exact,aggregated,uniform,truncated}``,
       ``rollout_tail_mass`` (mu_T), ``policy_tail_mass`` (pi_T), ``tail_clamped``
       (sum of mu on S' exceeded 1 by rounding), ``sampled_in_topk``; with
-      ``rollout_logits``: ``full_kl``, ``full_tv``, ``ddot_full_kl``, ``ddot_full_tv``;
+      ``rollout.logits``: ``full_kl``, ``full_tv``, ``ddot_full_kl``, ``ddot_full_tv``;
       and ``valid`` (the response mask). ``Ddot`` is ``grad_{z/T} D . (e_k - pi)``.
+
+    Naive torch (binary part): ``logq = log_softmax(logits / T, -1)``;
+    ``logp = logq.gather(-1, ids[..., None])``; ``log_ratio = logp - rollout.sampled_logprob``.
     """
-    # every scalar argument is checked before any work on the logits
-    check_positive("temperature", temperature)
-    check_chunk_size("chunk_size", chunk_size)
-    sampling = check_truncation(impl, sampling_top_k, sampling_top_p, sampling_min_p, rollout_kept_mask,
-                                rollout_logits)
-    batch = prepare(logits, sampled_ids, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-                    response_mask, rollout_logits, validate, rollout_kept_mask)
-    st = stats_from_batch(batch, temperature=temperature, chunk_rows=chunk_size, impl=impl,
-                          validate=validate, sampling=sampling)
+    sampling = ops.Sampling() if sampling is None else sampling
+    compute = ops.Compute() if compute is None else compute
+    for name, v, cls in (("sampling", sampling, ops.Sampling), ("compute", compute, ops.Compute)):
+        if not isinstance(v, cls):
+            raise ValueError(f"{name}: must be a pdmask.{cls.__name__} (or None), got {type(v).__name__}")
+    if not isinstance(rollout, Rollout):
+        raise ValueError(f"rollout: must be a pdmask.Rollout, got {type(rollout).__name__}")
+    ops.check_truncation(compute.impl, sampling, rollout.kept_mask, rollout.logits, rollout=True)
+    batch = prepare(logits, rollout, validate)
+    st = stats_from_batch(batch, sampling=sampling, compute=compute, validate=validate)
     return unflatten(st, batch.lead_shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdmask.engine.base import RolloutBatch
+from pdmask.rollout import Rollout
 
 
 class BigramLM(torch.nn.Module):
@@ -68,7 +69,7 @@ def sample_batch(engine: torch.nn.Module, *, B: int = 8, P: int = 2, T: int = 6,
     lp = logq.gather(-1, seq[:, P:, None]).squeeze(-1)
     tk_lp, tk_ids = logq.topk(K, -1)
     rb = RolloutBatch(sequences=seq, attention_mask=torch.ones_like(seq, dtype=torch.bool), prompt_len=P,
-                      response_mask=mask, sampled_logprob=lp, topk_ids=tk_ids, topk_logprobs=tk_lp, logits=logits)
+                      rollout=Rollout(seq[:, P:], lp, tk_ids, tk_lp, mask, logits=logits))
     # group-normalised rewards of two groups, as GRPO would: never all-equal
     r = torch.randint(0, 2, (B,), generator=g).float()
     r[0], r[1] = 0.0, 1.0
@@ -126,7 +127,7 @@ def llama_batch(model, engine, *, B: int = 3, P: int = 3, T: int = 5, K: int = 6
     logq = torch.log_softmax(z / temperature, -1)
     tk_lp, tk_ids = logq.topk(K, -1)
     lp = logq.gather(-1, seq[:, P:, None]).squeeze(-1)
-    rb = RolloutBatch(sequences=seq, attention_mask=am, prompt_len=P, response_mask=rmask, sampled_logprob=lp,
-                      topk_ids=tk_ids, topk_logprobs=tk_lp, logits=z)
+    rb = RolloutBatch(sequences=seq, attention_mask=am, prompt_len=P,
+                      rollout=Rollout(seq[:, P:], lp, tk_ids, tk_lp, rmask, logits=z))
     A = torch.randn(B, generator=g, dtype=torch.float64)[:, None].expand(B, T).clone()
     return rb, torch.where(rmask, A, 0.0)

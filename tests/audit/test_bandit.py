@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+import pdmask
+
 from audit_toy import Bandit, bandit_forward
-from pdmask import token_stats
+from tests.flat import token_stats
 from pdmask.audit import AuditConfig, audit_batch, classify, isolated_param_changes, logit_step_changes
 from pdmask.engine.base import RolloutBatch
 
@@ -29,9 +31,8 @@ def bandit_batch(z_mu: torch.Tensor, k: torch.Tensor, K: int) -> RolloutBatch:
     tk_lp, tk_ids = logm.topk(K, -1)
     seq = torch.stack([torch.arange(N), k], 1)
     return RolloutBatch(sequences=seq, attention_mask=torch.ones_like(seq, dtype=torch.bool), prompt_len=1,
-                        response_mask=torch.ones(N, 1, dtype=torch.bool),
-                        sampled_logprob=logm.gather(1, k[:, None]), topk_ids=tk_ids[:, None],
-                        topk_logprobs=tk_lp[:, None], logits=z_mu[:, None])
+                        rollout=pdmask.Rollout(k[:, None], logm.gather(1, k[:, None]), tk_ids[:, None], tk_lp[:, None],
+                                               torch.ones(N, 1, dtype=torch.bool), logits=z_mu[:, None]))
 
 
 def random_bandits(N=300, V=8, K=3, seed=0):
@@ -44,8 +45,7 @@ def random_bandits(N=300, V=8, K=3, seed=0):
 
 
 def stats_of(z_pi, rb):
-    return token_stats(z_pi[:, None], rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs,
-                       rollout_logits=rb.logits)
+    return pdmask.token_stats(z_pi[:, None], rb.rollout)
 
 
 @pytest.mark.parametrize("divergence,ddot_key", [("full_kl", "ddot_full_kl"), ("topk_kl", "ddot_topk_kl_exact"),
@@ -67,8 +67,9 @@ def test_isolated_step_sign_equals_predictive_sign(divergence, ddot_key):
     ratio = torch.sign(A * stats_of(z_pi, rb)["log_ratio"][:, 0])
     assert (ratio[clear] != pred[clear]).sum() >= 5
     # In the bandit the parameter step IS the logit step: the same numbers.
-    dl = logit_step_changes(z_pi, k, rb.sampled_logprob[:, 0], rb.topk_ids[:, 0], rb.topk_logprobs[:, 0], z_mu, A,
-                            divergence=divergence, step=1e-5)
+    r = rb.rollout
+    rows = pdmask.Rollout(k, r.sampled_logprob[:, 0], r.topk_ids[:, 0], r.topk_logprobs[:, 0], logits=z_mu)
+    dl = logit_step_changes(z_pi, rows, A, divergence=divergence, step=1e-5)
     torch.testing.assert_close(dD, dl, rtol=1e-9, atol=1e-15)
     if divergence.endswith("kl"):  # smooth: first-order magnitude eta * sign(A) Ddot / |e_k - pi|
         u = -torch.softmax(z_pi, -1)

@@ -72,13 +72,13 @@ def test_cli_bad_option_is_an_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_audit_of_a_run_directory(tmp_path):
+def test_audit_of_a_run_directory(tmp_path, smoke_cache):
     """`pdmask train` (smoke preset) then `pdmask audit --model RUN_DIR`: the run's config,
     trainer weights, stale engine weights and AdamW state are picked up."""
     repo = SRC.parent
-    env = {**os.environ, "PYTHONPATH": str(SRC), "PDMASK_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PDMASK_CACHE": str(smoke_cache)}
     train = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(repo / "configs" / "smoke.yaml"),
-             f"out_dir={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}", "progress=false", "tensorboard=false",
+             f"out_dir={tmp_path / 'runs'}", f"cache_dir={smoke_cache}", "progress=false", "tensorboard=false",
              "steps=2", "checkpoint_every=1"]
     res = subprocess.run(train, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_audit_of_a_run_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_audit_grid_smoke(tmp_path):
+def test_audit_grid_smoke(tmp_path, smoke_cache):
     """`pdmask audit-grid` on two tiny cells (tied / untied): grid.json, grid.md, grid.png,
     one report per cell; a rerun reuses every seed."""
     out = tmp_path / "grid"
@@ -107,10 +107,10 @@ def test_audit_grid_smoke(tmp_path):
     args = [sys.executable, "-m", "pdmask.cli", "audit-grid", "--out", str(out), "--ties", "tied,untied",
             "--vocab", "400", "--hidden", "32", "--seeds", "2", "--precision", "fp8-bf16", "--delta", "1e-4",
             "--lag", "1", "--sample-tokens", "2", "--bootstrap", "50", "--no-progress",
-            "--config", str(SRC.parent / "configs" / "smoke.yaml"), "--set", f"cache_dir={tmp_path / 'cache'}",
+            "--config", str(SRC.parent / "configs" / "smoke.yaml"), "--set", f"cache_dir={smoke_cache}",
             "--set", "threads=1", "--set", "prompts_per_step=8"]
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PDMASK_CACHE": str(tmp_path / "cache")}
+           "PDMASK_CACHE": str(smoke_cache)}
     res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     g = json.loads((out / "grid.json").read_text())

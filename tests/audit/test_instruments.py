@@ -6,10 +6,12 @@ import copy
 import pytest
 import torch
 
+import pdmask
+
 pytest.importorskip("transformers")
 
 from audit_toy import llama_batch, perturbed, tiny_llama  # noqa: E402
-from pdmask import token_stats  # noqa: E402
+from tests.flat import token_stats  # noqa: E402
 from pdmask.audit import AuditConfig  # noqa: E402
 from pdmask.audit.instruments import (GROUPS, inner_products, optimizer_preconditioner, token_objectives,  # noqa: E402
                                       total_inner_product)
@@ -65,7 +67,7 @@ def test_token_objectives_equal_token_stats(divergence, temperature):
             assert logp.item() == pytest.approx(st["logp"][b, t].item(), rel=1e-12)
     # and a case where the sampled token lies outside the top-K (its own column in S')
     k = rb.response_ids
-    assert (rb.topk_ids != k[..., None]).all(-1).any()
+    assert (rb.rollout.topk_ids != k[..., None]).all(-1).any()
 
 
 def D_at(model, rb, cfg, b, t):
@@ -129,8 +131,7 @@ def test_head_group_is_the_logit_space_prediction(tied, temperature):
         z = response_logits(model, rb.sequences, rb.attention_mask, rb.prompt_len)
     hook.remove()
     h = hs[0]  # (B, T, H): the LM head's input at the response positions
-    st = token_stats(z, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs,
-                     rollout_logits=rb.logits, temperature=temperature)
+    st = pdmask.token_stats(z, rb.rollout, sampling=pdmask.Sampling(temperature))
     for i, (b, t) in enumerate(TOKENS.tolist()):
         expect = A[b, t] * (h[b, t] ** 2).sum() * st["ddot_topk_kl_exact"][b, t] / temperature ** 2
         assert ip["ip_head"][i].item() == pytest.approx(expect.item(), rel=1e-9, abs=1e-14)

@@ -6,12 +6,14 @@ import copy
 import pytest
 import torch
 
+import pdmask
+
 pytest.importorskip("transformers", reason="the evaluation builds a transformers model")
 
 from pdmask.audit.phi import PhiSettings, PhiStep, copy64, main, sign_counts, summarize, top_m  # noqa: E402
 from pdmask.engine.hf import HFEngine, response_logits  # noqa: E402
-from pdmask.loss import policy_loss  # noqa: E402
-from pdmask.stats import token_stats  # noqa: E402
+from tests.flat import policy_loss  # noqa: E402
+from tests.flat import token_stats  # noqa: E402
 from pdmask.train.config import load_config  # noqa: E402
 from pdmask.train.model import build_model  # noqa: E402
 from pdmask.train.update import make_optimizer, update_step  # noqa: E402
@@ -43,15 +45,16 @@ def _explicit_phi(model, rb, adv_bt, cfg, state, O, divergence="topk_kl"):
     opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     opt.load_state_dict(copy.deepcopy(state))
     logits = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
-    policy_loss(logits, rb.response_ids, rb.sampled_logprob.double(), rb.topk_ids, rb.topk_logprobs.double(), adv_bt,
-                rb.response_mask, mode="none", is_cap=cfg.is_cap, loss_agg=cfg.loss_agg,
-                temperature=cfg.temperature).loss.backward()
+    r = rb.rollout.replace(sampled_logprob=rb.rollout.sampled_logprob.double(),
+                           topk_logprobs=rb.rollout.topk_logprobs.double(), logits=None)
+    pdmask.policy_loss(logits, r, adv_bt, mode="none", corrections=pdmask.Corrections(is_cap=cfg.is_cap),
+                       aggregation=pdmask.Aggregation(cfg.loss_agg),
+                       sampling=pdmask.Sampling(cfg.temperature)).loss.backward()
     torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
     opt.step()
     with torch.no_grad():
         z = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
-    D = token_stats(z, rb.response_ids, rb.sampled_logprob.double(), rb.topk_ids, rb.topk_logprobs.double(),
-                    response_mask=rb.response_mask, temperature=cfg.temperature)[divergence]
+    D = pdmask.token_stats(z, r, sampling=pdmask.Sampling(cfg.temperature))[divergence]
     return float((D * O).sum())
 
 

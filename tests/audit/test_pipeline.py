@@ -76,7 +76,7 @@ def test_step_mode_and_seeded_sampling(setup):
 def test_bad_inputs_are_value_errors(setup):
     pol, eng = setup
     rb, adv = sample_batch(eng, seed=0)
-    rb.logits = None
+    rb.rollout = rb.rollout.replace(logits=None)
     with pytest.raises(ValueError, match="return_logits"):
         audit_batch(pol, bigram_forward, rb, adv, _cfg())
     for kw, name in [({"divergence": "binary_kl"}, "divergence"), ({"estimator": "x"}, "estimator"),

@@ -16,6 +16,7 @@ from torch import nn
 
 import pdmask
 from pdmask.divergences import build_support, topk_kl, topk_tv
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 
@@ -149,7 +150,7 @@ def region_and_weights(model, batch, *, divergence="topk_kl", delta=0.05, temper
     with torch.no_grad():
         z = logits_of(model, batch)
     T = z.shape[1]
-    st = pdmask.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
+    st = flat.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
                             batch["rollout_topk_logprobs"], response_mask=batch["response_mask"],
                             temperature=temperature)
     A = batch["advantages"][:, None].expand(z.shape[:2])

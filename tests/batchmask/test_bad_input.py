@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests import flat  # noqa: E402
+
 from pdmask.batchmask import batch_mask
 
 from .helpers import TinyLM, make_batch
@@ -15,7 +17,7 @@ def _with(**over):
     """A call of batch_mask with some data or settings replaced."""
     over = dict(over)
     model = over.pop("model", M)
-    return lambda: batch_mask(model, **{**B, **over})
+    return lambda: flat.batch_mask(model, **{**B, **over})
 
 
 def _bad_attention():
@@ -38,12 +40,12 @@ CASES = [
     (dict(input_ids=B["input_ids"].double()), "input_ids", "must be an integer tensor"),
     (dict(input_ids=B["input_ids"][0]), "input_ids", "expected a 2-D torch.Tensor"),
     (dict(attention_mask=B["attention_mask"][:, 1:]), "attention_mask", "expected shape"),
-    (dict(response_mask=torch.ones(3, 10, dtype=torch.bool)), "response_mask", "1 <= T < 10"),
-    (dict(attention_mask=_bad_attention()), "response_mask", "marks a response token that attention_mask masks"),
-    (dict(rollout_topk_ids=None), "rollout_topk_ids", "needs the rollout top-K"),
-    (dict(rollout_logprob=B["rollout_logprob"][:, 1:]), "rollout_logprob", "expected shape"),
-    (dict(rollout_logprob=B["rollout_logprob"].abs() + 1), "rollout_logprob", "must be <= 0"),
-    (dict(rollout_topk_logprobs=B["rollout_topk_logprobs"] * float("nan")), "rollout_topk_logprobs", "NaN"),
+    (dict(response_mask=torch.ones(3, 10, dtype=torch.bool)), "rollout.response_mask", "1 <= T < 10"),
+    (dict(attention_mask=_bad_attention()), "rollout.response_mask", "marks a response token that attention_mask masks"),
+    (dict(rollout_topk_ids=None, rollout_topk_logprobs=None), "rollout.topk_ids", "needs the rollout top-K"),
+    (dict(rollout_logprob=B["rollout_logprob"][:, 1:]), "rollout.sampled_logprob", "expected shape"),
+    (dict(rollout_logprob=B["rollout_logprob"].abs() + 1), "rollout.sampled_logprob", "must be <= 0"),
+    (dict(rollout_topk_logprobs=B["rollout_topk_logprobs"] * float("nan")), "rollout.topk_logprobs", "NaN"),
     (dict(advantages=torch.ones(2, dtype=torch.float64)), "advantages", "expected shape"),
     (dict(advantages=torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64)), "advantages", "contains NaN"),
 ]
@@ -63,4 +65,4 @@ def test_a_model_that_returns_no_logits_is_named():
             return super().forward(input_ids, attention_mask, position_ids)[..., 0]  # (B, L): no vocabulary
 
     with pytest.raises(ValueError, match=r"^model: expected logits \(B, L - 1, V\) from the forward, got \(3, 9\)"):
-        batch_mask(NoLogits(), **B)
+        flat.batch_mask(NoLogits(), **B)

@@ -9,6 +9,7 @@ from pdmask.batchmask import BatchMask, batch_mask, preconditioner
 from .helpers import (
     F64, TinyLM, logits_of, make_batch, naive_divergence, per_token_oracle, region_and_weights, tiny_llama,
 )
+from tests import flat  # noqa: E402
 
 
 def _phi_at(model, batch, named, O, divergence, temperature):
@@ -16,7 +17,7 @@ def _phi_at(model, batch, named, O, divergence, temperature):
     with torch.no_grad():
         z = logits_of(model, batch, named)
     T = z.shape[1]
-    st = pdmask.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
+    st = flat.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
                             batch["rollout_topk_logprobs"], response_mask=batch["response_mask"],
                             temperature=temperature)
     return float((st[divergence] * O).sum())
@@ -39,7 +40,7 @@ def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergen
         opt.zero_grad(set_to_none=True)
     batch = make_batch(m, seed=1, temperature=temperature)
     delta = 0.05 if divergence == "topk_kl" else 0.12
-    out = batch_mask(m, **batch, divergence=divergence, delta_low=delta, delta_high=delta, temperature=temperature,
+    out = flat.batch_mask(m, **batch, divergence=divergence, delta_low=delta, delta_high=delta, temperature=temperature,
                      optimizer=opt, all_tokens=True)
     O, w, A, _ = region_and_weights(m, batch, divergence=divergence, delta=delta, temperature=temperature)
     assert torch.equal(out.out_of_region, O) and 0 < O.sum() < batch["response_mask"].sum()
@@ -69,7 +70,7 @@ def test_c_is_the_central_difference_of_phi_along_the_tokens_own_update(divergen
 def test_both_methods_equal_an_explicit_per_token_gradient_loop(method, tied):
     m = TinyLM(seed=2, tied=tied)
     batch = make_batch(m, seed=2)
-    out = batch_mask(m, **batch, method=method, all_tokens=True)
+    out = flat.batch_mask(m, **batch, method=method, all_tokens=True)
     assert out.method == method
     ref, O, w, A = per_token_oracle(m, batch, list(m.parameters()))
     assert torch.equal(out.out_of_region, O) and O.any()
@@ -84,10 +85,10 @@ def test_transformers_model_jvp_double_backward_and_loop_agree(arch):
     to float32 rounding; both methods differentiate exactly the same function."""
     m = tiny_llama(arch=arch, tied=True)
     batch = make_batch(m, seed=3)
-    a = batch_mask(m, **batch, method="jvp", all_tokens=True)
-    b = batch_mask(m, **batch, method="double-backward", all_tokens=True)
+    a = flat.batch_mask(m, **batch, method="jvp", all_tokens=True)
+    b = flat.batch_mask(m, **batch, method="double-backward", all_tokens=True)
     auto = BatchMask(m, all_tokens=True)
-    c = auto(**batch)
+    c = flat.call_mask(auto, **batch)
     assert auto.method == "jvp"  # the math SDPA backend has forward-mode derivatives
     ref, O, _, _ = per_token_oracle(m, batch, list(m.parameters()))
     assert O.any() and ref.abs().max() > 1e-3
@@ -122,9 +123,9 @@ def test_auto_falls_back_to_double_backward_when_an_op_has_no_forward_mode_deriv
     m = _LMWithCustomOp(seed=4)
     batch = make_batch(m, seed=4)
     with pytest.raises(NotImplementedError, match="jvp"):
-        batch_mask(m, **batch, method="jvp", all_tokens=True)
+        flat.batch_mask(m, **batch, method="jvp", all_tokens=True)
     bm = BatchMask(m, all_tokens=True)
-    out = bm(**batch)
+    out = flat.call_mask(bm, **batch)
     assert out.method == "double-backward" and bm.method == "double-backward"
     ref, O, _, _ = per_token_oracle(m, batch, list(m.parameters()))
     assert O.any() and ref.abs().max() > 1e-3
@@ -135,7 +136,7 @@ def test_auto_falls_back_to_double_backward_when_an_op_has_no_forward_mode_deriv
 def test_mask_is_what_policy_loss_applies_with_the_batch_mode(scope):
     m = TinyLM(seed=5)
     batch = make_batch(m, seed=5)
-    out = batch_mask(m, **batch, scope=scope, delta_low=0.04, delta_high=0.06)
+    out = flat.batch_mask(m, **batch, scope=scope, delta_low=0.04, delta_high=0.06)
     O, w, A, _ = region_and_weights(m, batch)
     O = (batch["advantages"][:, None] > 0) & (region_and_weights(m, batch, delta=0.06)[0]) | \
         (batch["advantages"][:, None] < 0) & (region_and_weights(m, batch, delta=0.04)[0])
@@ -149,7 +150,7 @@ def test_mask_is_what_policy_loss_applies_with_the_batch_mode(scope):
     T = z.shape[1]
     kw = out.loss_kwargs()
     assert kw["mode"] == ("pdm-batch-topk-kl" if scope == "region" else "pdm-batch-all-topk-kl")
-    loss = pdmask.policy_loss(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
+    loss = flat.policy_loss(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
                               batch["rollout_topk_logprobs"], batch["advantages"], batch["response_mask"], **kw)
     assert torch.equal(loss.mask, out.mask)
     loss.loss.backward()
@@ -166,8 +167,8 @@ def test_mask_is_what_policy_loss_applies_with_the_batch_mode(scope):
 def test_is_weight_scales_c_but_never_changes_the_mask():
     m = TinyLM(seed=6)
     batch = make_batch(m, seed=6)
-    a = batch_mask(m, **batch, is_cap=1.0)  # w <= 1
-    b = batch_mask(m, **batch, is_cap=float("inf"))
+    a = flat.batch_mask(m, **batch, is_cap=1.0)  # w <= 1
+    b = flat.batch_mask(m, **batch, is_cap=float("inf"))
     assert torch.equal(a.mask, b.mask) and torch.equal(a.ddot, b.ddot) and not torch.equal(a.c, b.c)
 
 
@@ -175,7 +176,7 @@ def test_the_model_and_its_parameters_are_left_untouched():
     m = TinyLM(seed=7)
     batch = make_batch(m, seed=7)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    batch_mask(m, **batch, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    flat.batch_mask(m, **batch, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n]) and p.grad is None, n
 
@@ -184,8 +185,8 @@ def test_float32_model_gives_finite_results_close_to_float64():
     m64 = TinyLM(seed=8)
     m32 = TinyLM(seed=8, dtype=torch.float32)
     batch = make_batch(m64, seed=8)
-    a = batch_mask(m64, **batch, all_tokens=True)
-    b = batch_mask(m32, **batch, all_tokens=True)
+    a = flat.batch_mask(m64, **batch, all_tokens=True)
+    b = flat.batch_mask(m32, **batch, all_tokens=True)
     assert b.ddot.dtype == torch.float32 and torch.isfinite(b.ddot).all()
     torch.testing.assert_close(b.ddot.double(), a.ddot, atol=1e-3 * a.ddot.abs().max().item(), rtol=1e-3)
     assert a.ddot.dtype == F64

@@ -5,6 +5,7 @@ import torch
 
 import pdmask
 from pdmask.keys import BATCH_DDOT
+from tests import flat  # noqa: E402
 
 
 def _batch(B=3, T=7, V=50, K=6, seed=0):
@@ -24,8 +25,8 @@ def _batch(B=3, T=7, V=50, K=6, seed=0):
 def test_region_gated_batch_mode_masks_out_of_region_tokens_with_outward_batch_direction(div):
     args, bd = _batch()
     delta = 0.03
-    out = pdmask.policy_loss(*args, mode=f"pdm-batch-topk-{div}", batch_ddot=bd, delta_low=delta, delta_high=delta)
-    st = pdmask.token_stats(*args[:5], response_mask=args[6])
+    out = flat.policy_loss(*args, mode=f"pdm-batch-topk-{div}", batch_ddot=bd, delta_low=delta, delta_high=delta)
+    st = flat.token_stats(*args[:5], response_mask=args[6])
     A = args[5][:, None].expand_as(bd)
     out_region = (st[f"topk_{div}"] > delta) & (A != 0)
     want = ~(out_region & (A * bd > 0)) | ~args[6]
@@ -33,14 +34,14 @@ def test_region_gated_batch_mode_masks_out_of_region_tokens_with_outward_batch_d
     assert 0 < (~want).sum() < (args[6] & (A != 0)).sum()  # not vacuous: some masked, some kept
     assert torch.equal(out.stats[BATCH_DDOT][args[6]], bd[args[6]])
     # the same decision through trust_region_mask
-    m = pdmask.trust_region_mask(*args, mode=f"pdm-batch-topk-{div}", batch_ddot=bd, delta_low=delta,
+    m = flat.trust_region_mask(*args, mode=f"pdm-batch-topk-{div}", batch_ddot=bd, delta_low=delta,
                                  delta_high=delta)
     assert torch.equal(m, want)
 
 
 def test_scope_all_mode_masks_every_outward_token_whatever_its_divergence():
     args, bd = _batch()
-    out = pdmask.policy_loss(*args, mode="pdm-batch-all-topk-kl", batch_ddot=bd, delta_low=1e9, delta_high=1e9)
+    out = flat.policy_loss(*args, mode="pdm-batch-all-topk-kl", batch_ddot=bd, delta_low=1e9, delta_high=1e9)
     A = args[5][:, None].expand_as(bd)
     assert torch.equal(out.mask, ~(A * bd > 0) | ~args[6])
     # masked tokens carry no loss and no gradient; kept ones do
@@ -49,8 +50,8 @@ def test_scope_all_mode_masks_every_outward_token_whatever_its_divergence():
 
 def test_batch_ddot_is_kept_in_the_stats_of_any_mode_and_never_changes_another_mode():
     args, bd = _batch()
-    a = pdmask.policy_loss(*args, mode="pdm-topk-kl", batch_ddot=bd)
-    b = pdmask.policy_loss(*args, mode="pdm-topk-kl")
+    a = flat.policy_loss(*args, mode="pdm-topk-kl", batch_ddot=bd)
+    b = flat.policy_loss(*args, mode="pdm-topk-kl")
     assert torch.equal(a.mask, b.mask) and torch.equal(a.loss, b.loss)
     assert torch.equal(a.stats[BATCH_DDOT][args[6]], bd[args[6]]) and BATCH_DDOT not in b.stats
 
@@ -61,7 +62,7 @@ def test_batch_modes_refuse_without_batch_ddot(mode):
     args, _ = _batch()
     for fn in (pdmask.policy_loss, pdmask.trust_region_mask):
         with pytest.raises(ValueError, match=r"^batch_ddot: mode .* needs the batch direction") as e:
-            fn(*args, mode=mode)
+            fn(*args[:1], flat.rollout(**dict(zip(flat.POSITIONAL, args[1:]))), args[5], mode=mode)
         assert "\n" not in str(e.value)
 
 
@@ -70,12 +71,12 @@ def test_bad_batch_ddot_gets_one_line_errors_and_padding_junk_is_ignored():
     mode = "pdm-batch-topk-kl"
     for bad, msg in [(bd[:, :-1], "expected shape"), (bd.long(), "floating-point"), ([0.0], "floating-point")]:
         with pytest.raises(ValueError, match=f"^batch_ddot: .*{msg}"):
-            pdmask.policy_loss(*args, mode=mode, batch_ddot=bad)
+            flat.policy_loss(*args, mode=mode, batch_ddot=bad)
     nan = bd.clone()
     nan[1, 2] = float("nan")
     with pytest.raises(ValueError, match="^batch_ddot: contains NaN or inf on response tokens"):
-        pdmask.policy_loss(*args, mode=mode, batch_ddot=nan)
+        flat.policy_loss(*args, mode=mode, batch_ddot=nan)
     pad = bd.clone()
     pad[0, -1] = float("nan")  # a padding position
-    out = pdmask.policy_loss(*args, mode=mode, batch_ddot=pad)
+    out = flat.policy_loss(*args, mode=mode, batch_ddot=pad)
     assert torch.isfinite(out.loss)

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests import flat  # noqa: E402
+
 from pdmask.batchmask import batch_mask, decoder_parts, select_params
 
 from .helpers import TinyLM, make_batch, per_token_oracle, tiny_llama
@@ -16,10 +18,10 @@ def _last_block_params(model, blocks, head, norm):
 def test_last_block_subset_equals_the_restricted_full_computation(method):
     m = TinyLM(seed=1, layers=3)
     batch = make_batch(m, seed=1)
-    out = batch_mask(m, **batch, params=1, method=method, all_tokens=True)
+    out = flat.batch_mask(m, **batch, params=1, method=method, all_tokens=True)
     sub = _last_block_params(m, *decoder_parts(m))
     ref, O, _, _ = per_token_oracle(m, batch, sub)
-    full = batch_mask(m, **batch, method=method, all_tokens=True)
+    full = flat.batch_mask(m, **batch, method=method, all_tokens=True)
     assert out.method == ("jvp-top" if method == "jvp" else method)  # forward mode replays the top block only
     assert O.any() and ref.abs().max() > 1e-3
     torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)
@@ -32,9 +34,9 @@ def test_tied_head_in_the_subset_moves_the_output_projection_only():
     block, the final norm and lm_head — the input embedding stays fixed."""
     m = tiny_llama(tied=True, layers=3)
     batch = make_batch(m, seed=2)
-    out = batch_mask(m, **batch, params=1, all_tokens=True)
+    out = flat.batch_mask(m, **batch, params=1, all_tokens=True)
     assert out.method == "jvp-top"
-    dbl = batch_mask(m, **batch, params=1, method="double-backward", all_tokens=True)
+    dbl = flat.batch_mask(m, **batch, params=1, method="double-backward", all_tokens=True)
     untied = tiny_llama(tied=False, layers=3)
     untied.load_state_dict(m.state_dict(), strict=False)
     with torch.no_grad():
@@ -56,7 +58,7 @@ class _ScaledLogits(TinyLM):
 def test_top_replay_that_does_not_reproduce_the_model_falls_back_to_the_whole_model_jvp():
     m = _ScaledLogits(seed=8, layers=3)
     batch = make_batch(m, seed=8)
-    out = batch_mask(m, **batch, params=1, method="jvp", all_tokens=True)
+    out = flat.batch_mask(m, **batch, params=1, method="jvp", all_tokens=True)
     assert out.method == "jvp"
     ref, O, _, _ = per_token_oracle(m, batch, _last_block_params(m, *decoder_parts(m)))
     assert O.any() and ref.abs().max() > 1e-3
@@ -67,7 +69,7 @@ def test_a_list_of_names_selects_exactly_those():
     m = TinyLM(seed=3)
     batch = make_batch(m, seed=3)
     names = ["layers.0.up.weight", "lm_head.weight"]
-    out = batch_mask(m, **batch, params=names, all_tokens=True)
+    out = flat.batch_mask(m, **batch, params=names, all_tokens=True)
     by = dict(m.named_parameters())
     ref, _, _, _ = per_token_oracle(m, batch, [by[n] for n in names])
     torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)
@@ -94,9 +96,9 @@ def test_the_subset_backward_never_reaches_the_lower_blocks():
     calls = []
     h = m.layers[0].register_full_backward_hook(lambda *a: calls.append(1))
     try:
-        batch_mask(m, **batch, params=1, method="double-backward")
+        flat.batch_mask(m, **batch, params=1, method="double-backward")
         assert calls == []
-        batch_mask(m, **batch, params="all", method="double-backward")
+        flat.batch_mask(m, **batch, params="all", method="double-backward")
         assert calls
     finally:
         h.remove()
@@ -107,7 +109,7 @@ def test_frozen_parameters_are_never_differentiated():
     for p in m.layers[0].parameters():
         p.requires_grad_(False)
     batch = make_batch(m, seed=5)
-    out = batch_mask(m, **batch, all_tokens=True)
+    out = flat.batch_mask(m, **batch, all_tokens=True)
     trainable = [p for p in m.parameters() if p.requires_grad]
     ref, _, _, _ = per_token_oracle(m, batch, trainable)
     torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)
@@ -141,6 +143,6 @@ def test_a_model_without_blocks_is_refused_for_the_subset_but_works_with_all():
     with pytest.raises(ValueError, match="^params: cannot find the decoder blocks of Flat"):
         select_params(m, 1)
     batch = make_batch(TinyLM(), seed=7)
-    out = batch_mask(m, **batch, all_tokens=True)
+    out = flat.batch_mask(m, **batch, all_tokens=True)
     ref, _, _, _ = per_token_oracle(m, batch, list(m.parameters()))
     torch.testing.assert_close(out.ddot, ref, atol=1e-12, rtol=1e-10)

@@ -10,6 +10,7 @@ from pdmask._validate import prepare
 from pdmask.batchmask import out_of_region_divergence
 
 from .helpers import F64, naive_divergence
+from tests import flat  # noqa: E402
 
 
 def _case(B=2, T=9, V=30, K=4, seed=0, temperature=1.0, peaked=0.0):
@@ -34,14 +35,13 @@ def _case(B=2, T=9, V=30, K=4, seed=0, temperature=1.0, peaked=0.0):
 @pytest.mark.parametrize("peaked", [0.0, 10.0])
 def test_phi_value_is_the_cores_and_its_gradient_is_autograds(divergence, temperature, peaked):
     z, k, batch, weight = _case(temperature=temperature, peaked=peaked)
-    st = pdmask.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
+    st = flat.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
                             response_mask=batch["response_mask"], temperature=temperature)
     value = (st[divergence] * weight).sum()
-    b = prepare(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
-                batch["response_mask"], validate=False)
+    b = prepare(z, flat.rollout(sampled_ids=k, **batch), validate=False)
     x = z.clone().requires_grad_()
     phi = out_of_region_divergence(x.reshape(-1, z.shape[-1]), value, weight.reshape(-1).to(F64), b.sampled_ids,
-                                   b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=divergence,
+                                   b.sampled_logprob, b.topk_ids, b.topk_logprobs, divergence=divergence,
                                    temperature=temperature, chunk_rows=5)  # chunks that split the rows unevenly
     phi.backward()
     y = z.clone().requires_grad_()
@@ -55,13 +55,12 @@ def test_phi_value_is_the_cores_and_its_gradient_is_autograds(divergence, temper
 
 def test_phi_gradient_has_the_logits_dtype_and_no_nan_in_bf16():
     z, k, batch, weight = _case(peaked=60.0)  # pi_T underflows: autograd through log(1 - sum) gives NaN
-    st = pdmask.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
+    st = flat.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
                             response_mask=batch["response_mask"])
-    b = prepare(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
-                batch["response_mask"], validate=False)
+    b = prepare(z, flat.rollout(sampled_ids=k, **batch), validate=False)
     x = z.to(torch.bfloat16).requires_grad_()
     out_of_region_divergence(x.reshape(-1, z.shape[-1]), (st["topk_kl"] * weight).sum().float(),
-                             weight.reshape(-1).float(), b.sampled_ids, b.rollout_logprob, b.topk_ids,
+                             weight.reshape(-1).float(), b.sampled_ids, b.sampled_logprob, b.topk_ids,
                              b.topk_logprobs, divergence="topk_kl", temperature=1.0, chunk_rows=4).backward()
     assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     assert math.isfinite(float(x.grad.float().abs().max()))

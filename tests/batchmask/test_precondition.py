@@ -9,6 +9,7 @@ import pdmask
 from pdmask.batchmask import batch_mask, preconditioner
 
 from .helpers import TinyLM, logits_of, make_batch, region_and_weights
+from tests import flat  # noqa: E402
 
 
 def _random_steps(model, opt, n, seed=0):
@@ -103,7 +104,7 @@ def test_c_of_a_single_token_batch_predicts_phi_after_the_real_adamw_step():
     b, t = 2, 1
     batch["response_mask"] = torch.zeros_like(batch["response_mask"])
     batch["response_mask"][b, t] = True  # a single-token batch
-    out = batch_mask(m, **batch, optimizer=opt, delta_low=1e-6, delta_high=1e-6, all_tokens=True)
+    out = flat.batch_mask(m, **batch, optimizer=opt, delta_low=1e-6, delta_high=1e-6, all_tokens=True)
     assert out.out_of_region.sum() == 1 and out.out_of_region[b, t]
     g = _token_loss_grad(m, batch, b, t)
     T = batch["response_mask"].shape[1]
@@ -112,7 +113,7 @@ def test_c_of_a_single_token_batch_predicts_phi_after_the_real_adamw_step():
         new = _step_with(m, opt, [eps * x for x in g])
         named = {n: p for (n, _), p in zip(m.named_parameters(), new)}
         z = logits_of(m, batch, named).detach()
-        st = pdmask.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
+        st = flat.token_stats(z, batch["input_ids"][:, -T:], batch["rollout_logprob"], batch["rollout_topk_ids"],
                                 batch["rollout_topk_logprobs"], response_mask=batch["response_mask"])
         return st["topk_kl"][b, t].item()
 
@@ -132,5 +133,5 @@ def test_c_of_a_single_token_batch_predicts_phi_after_the_real_adamw_step():
 def test_unsupported_optimizers_are_refused_in_one_line(make, msg):
     m = TinyLM(seed=4)
     with pytest.raises(ValueError, match=f"^optimizer: .*{msg}") as e:
-        batch_mask(m, **make_batch(m, seed=4), optimizer=make(m.parameters()))
+        flat.batch_mask(m, **make_batch(m, seed=4), optimizer=make(m.parameters()))
     assert "\n" not in str(e.value)

@@ -9,11 +9,12 @@ import pdmask
 from pdmask.batchmask import BatchMask
 
 from .helpers import TinyLM, logits_of, make_batch
+from tests import flat  # noqa: E402
 
 
 def _loss(logits, batch, out):
     T = logits.shape[1]
-    return pdmask.policy_loss(logits, batch["input_ids"][:, -T:], batch["rollout_logprob"],
+    return flat.policy_loss(logits, batch["input_ids"][:, -T:], batch["rollout_logprob"],
                               batch["rollout_topk_ids"], batch["rollout_topk_logprobs"], batch["advantages"],
                               batch["response_mask"], **out.loss_kwargs())
 
@@ -33,9 +34,9 @@ def test_shared_forward_gives_the_same_mask_and_the_ordinary_gradient(method, ti
     opt.step()
     opt.zero_grad(set_to_none=True)
     bm = BatchMask(m, params=params, optimizer=opt, method=method)
-    ref = bm(**batch)
+    ref = flat.call_mask(bm, **batch)
     assert ref.logits is None and all(p.grad is None for p in m.parameters())
-    out = bm(**batch, share_forward=True)
+    out = flat.call_mask(bm, **batch, share_forward=True)
     assert out.method == ref.method and out.logits.requires_grad
     torch.testing.assert_close(out.ddot, ref.ddot, rtol=1e-10, atol=1e-12)
     assert torch.equal(out.mask, ref.mask) and (~out.mask).any() and out.out_of_region.sum() > (~out.mask).sum()
@@ -56,8 +57,8 @@ def test_region_scope_differentiates_only_the_sequences_holding_O(params, share)
     m = TinyLM(seed=4, tied=True)
     batch = make_batch(m, B=5, seed=4)
     batch["advantages"] = torch.tensor([1.3, 0.0, 0.0, -1.1, 0.0], dtype=torch.float64)  # A = 0: never in O
-    full = BatchMask(m, params=params, all_tokens=True)(**batch)
-    out = BatchMask(m, params=params)(**batch, share_forward=share)
+    full = flat.call_mask(BatchMask(m, params=params, all_tokens=True), **batch)
+    out = flat.call_mask(BatchMask(m, params=params), **batch, share_forward=share)
     rows = full.out_of_region.any(1)
     assert rows.tolist() == [True, False, False, True, False]
     assert int(out.metrics["num_direction_rows"]) == 2 and int(full.metrics["num_direction_rows"]) == 5
@@ -67,10 +68,10 @@ def test_region_scope_differentiates_only_the_sequences_holding_O(params, share)
     assert out.metrics["direction_norm"].item() == pytest.approx(full.metrics["direction_norm"].item(), rel=1e-10)
     # all sequences hold O: the whole batch on the first forward (the cheaper route)
     batch["advantages"] = torch.tensor([1.3, -0.8, 0.6, -1.1, 0.9], dtype=torch.float64)
-    out = BatchMask(m, params=params)(**batch)
+    out = flat.call_mask(BatchMask(m, params=params), **batch)
     if bool(out.out_of_region.any(1).all()):
         assert int(out.metrics["num_direction_rows"]) == 5
     # no token of O at all: nothing to differentiate, nothing masked
     batch["advantages"] = torch.zeros(5, dtype=torch.float64)
-    out = BatchMask(m, params=params)(**batch)
+    out = flat.call_mask(BatchMask(m, params=params), **batch)
     assert out.mask.all() and (out.ddot == 0).all() and int(out.metrics["num_direction_rows"]) == 0

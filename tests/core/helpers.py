@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 
@@ -35,7 +36,7 @@ def stats_of(c, **kw):
     """token_stats on a flat case, treated as B=1 sequences of length N."""
     import pdmask
 
-    return {k: v[0] for k, v in pdmask.token_stats(
+    return {k: v[0] for k, v in flat.token_stats(
         c["logits"][None], c["sampled_ids"][None], c["rollout_logprob"][None],
         c["topk_ids"][None], c["topk_logprobs"][None],
         rollout_logits=c["rollout_logits"][None], temperature=c["temperature"], **kw).items()}

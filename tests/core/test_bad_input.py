@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pdmask
+from tests import flat  # noqa: E402
 
 
 def good(B=2, T=3, V=10, K=3):
@@ -23,7 +24,7 @@ def call(**over):
     args = good()
     kw = {k: over.pop(k) for k in list(over) if k not in args}
     args.update(over)
-    return pdmask.policy_loss(args["logits"], args["sampled_ids"], args["rollout_logprob"],
+    return flat.policy_loss(args["logits"], args["sampled_ids"], args["rollout_logprob"],
                               args["rollout_topk_ids"], args["rollout_topk_logprobs"], args["advantages"],
                               args["response_mask"], **kw)
 
@@ -43,29 +44,29 @@ def _big(name, val):
 CASES = [
     ("logits 1-D", dict(logits=torch.randn(10)), "logits"),
     ("logits dtype", dict(logits=torch.randint(0, 3, (2, 3, 10))), "logits"),
-    ("sampled shape", dict(sampled_ids=torch.zeros(2, 4, dtype=torch.long)), "sampled_ids"),
-    ("sampled dtype", dict(sampled_ids=torch.zeros(2, 3)), "sampled_ids"),
-    ("sampled range", dict(sampled_ids=torch.full((2, 3), 10)), "sampled_ids"),
-    ("sampled negative", dict(sampled_ids=torch.full((2, 3), -1)), "sampled_ids"),
-    ("rollout shape", dict(rollout_logprob=torch.zeros(2)), "rollout_logprob"),
-    ("rollout positive", dict(rollout_logprob=torch.full((2, 3), 0.5)), "rollout_logprob"),
-    ("rollout nan", dict(rollout_logprob=torch.full((2, 3), math.nan)), "rollout_logprob"),
-    ("rollout -inf", dict(rollout_logprob=torch.full((2, 3), -math.inf)), "rollout_logprob"),
-    ("topk shape", dict(rollout_topk_ids=torch.zeros(2, 3, dtype=torch.long)), "rollout_topk_ids"),
+    ("sampled shape", dict(sampled_ids=torch.zeros(2, 4, dtype=torch.long)), "rollout.sampled_ids"),
+    ("sampled dtype", dict(sampled_ids=torch.zeros(2, 3)), "rollout.sampled_ids"),
+    ("sampled range", dict(sampled_ids=torch.full((2, 3), 10)), "rollout.sampled_ids"),
+    ("sampled negative", dict(sampled_ids=torch.full((2, 3), -1)), "rollout.sampled_ids"),
+    ("rollout shape", dict(rollout_logprob=torch.zeros(2)), "rollout.sampled_logprob"),
+    ("rollout positive", dict(rollout_logprob=torch.full((2, 3), 0.5)), "rollout.sampled_logprob"),
+    ("rollout nan", dict(rollout_logprob=torch.full((2, 3), math.nan)), "rollout.sampled_logprob"),
+    ("rollout -inf", dict(rollout_logprob=torch.full((2, 3), -math.inf)), "rollout.sampled_logprob"),
+    ("topk shape", dict(rollout_topk_ids=torch.zeros(2, 3, dtype=torch.long)), "rollout.topk_ids"),
     ("topk K > V", dict(rollout_topk_ids=torch.arange(11).expand(2, 3, 11),
-                        rollout_topk_logprobs=torch.full((2, 3, 11), -5.0)), "rollout_topk_ids"),
-    ("topk range", dict(rollout_topk_ids=_big("rollout_topk_ids", 99).long()), "rollout_topk_ids"),
-    ("topk duplicate", dict(rollout_topk_ids=_dup()), "rollout_topk_ids"),
-    ("topk lp shape", dict(rollout_topk_logprobs=torch.zeros(2, 3, 2)), "rollout_topk_logprobs"),
-    ("topk lp positive", dict(rollout_topk_logprobs=_big("rollout_topk_logprobs", 0.1)), "rollout_topk_logprobs"),
-    ("topk lp nan", dict(rollout_topk_logprobs=_big("rollout_topk_logprobs", math.nan)), "rollout_topk_logprobs"),
-    ("topk mass > 1", dict(rollout_topk_logprobs=torch.full((2, 3, 3), math.log(0.5))), "rollout_topk_logprobs"),
-    ("topk half missing", dict(rollout_topk_logprobs=None), "rollout_topk_logprobs"),
-    ("topk needed", dict(rollout_topk_ids=None, rollout_topk_logprobs=None), "rollout_topk_ids"),
-    ("full needed", dict(mode="pdm-full-kl"), "rollout_logits"),
+                        rollout_topk_logprobs=torch.full((2, 3, 11), -5.0)), "rollout.topk_ids"),
+    ("topk range", dict(rollout_topk_ids=_big("rollout_topk_ids", 99).long()), "rollout.topk_ids"),
+    ("topk duplicate", dict(rollout_topk_ids=_dup()), "rollout.topk_ids"),
+    ("topk lp shape", dict(rollout_topk_logprobs=torch.zeros(2, 3, 2)), "rollout.topk_logprobs"),
+    ("topk lp positive", dict(rollout_topk_logprobs=_big("rollout_topk_logprobs", 0.1)), "rollout.topk_logprobs"),
+    ("topk lp nan", dict(rollout_topk_logprobs=_big("rollout_topk_logprobs", math.nan)), "rollout.topk_logprobs"),
+    ("topk mass > 1", dict(rollout_topk_logprobs=torch.full((2, 3, 3), math.log(0.5))), "rollout.topk_logprobs"),
+    ("topk half missing", dict(rollout_topk_logprobs=None), "rollout.topk_logprobs"),
+    ("topk needed", dict(rollout_topk_ids=None, rollout_topk_logprobs=None), "rollout.topk_ids"),
+    ("full needed", dict(mode="pdm-full-kl"), "rollout.logits"),
     ("advantages shape", dict(advantages=torch.ones(3)), "advantages"),
     ("advantages nan", dict(advantages=torch.full((2, 3), math.nan)), "advantages"),
-    ("mask shape", dict(response_mask=torch.ones(2, 2)), "response_mask"),
+    ("mask shape", dict(response_mask=torch.ones(2, 2)), "rollout.response_mask"),
     ("unknown mode", dict(mode="ppo-magic"), "mode"),
     ("unknown estimator", dict(estimator="guess"), "estimator"),
     ("unknown agg", dict(loss_agg="sum"), "loss_agg"),
@@ -74,7 +75,7 @@ CASES = [
     ("eps zero", dict(eps_low=0.0, mode="grpo"), "eps_low"),
     ("is_cap zero", dict(is_cap=0.0), "is_cap"),
     ("temperature", dict(temperature=0.0), "temperature"),
-    ("chunk", dict(chunk_size=0), "chunk_size"),
+    ("chunk", dict(chunk_size=0), "chunk_rows"),
     ("all -inf row", dict(logits=torch.full((2, 3, 10), -math.inf)), "logits"),
 ]
 

@@ -29,6 +29,7 @@ import pdmask
 from pdmask import corrections as C
 
 from .helpers import make_case
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 R = [[2.0, 0.5, 1.5], [4.0, 1.0, 1.0], [0.25, 0.5, 1.0]]
@@ -47,7 +48,7 @@ def close(a, b, tol=1e-12):
 
 
 def weights(**kw):
-    return C.importance_weights(log_ratio(), VALID, **kw)
+    return C.importance_weights(log_ratio(), VALID, C.Corrections(**kw))
 
 
 # ------------------------------------------------------------------ IS weights
@@ -216,7 +217,7 @@ def test_policy_loss_sequence_tis_and_opsm_by_hand():
     # seq 0: -1.5 * (-1) * (-1.6094) = -2.4142 per token (3 tokens); seq 1: -2 * (+1) * (-1.6094) = 3.2189 (2)
     # token-mean over the 7 response tokens: (3 * -2.4142 + 2 * 3.2189) / 7 = -0.11499
     b = hand_batch()
-    out = pdmask.policy_loss(**b, mode="none", is_level="sequence", is_cap=2.0, off_policy_mask_threshold=0.5)
+    out = flat.policy_loss(**b, mode="none", is_level="sequence", is_cap=2.0, off_policy_mask_threshold=0.5)
     lp = math.log(0.2)
     expect = (3 * (-1.5 * -1 * lp) + 2 * (-2 * 1 * lp)) / 7
     close(out.loss, expect)
@@ -240,8 +241,8 @@ def test_default_arguments_change_nothing():
     args = (c["logits"].view(3, 4, 30), c["sampled_ids"].view(3, 4), c["rollout_logprob"].view(3, 4),
             c["topk_ids"].view(3, 4, 4), c["topk_logprobs"].view(3, 4, 4), torch.randn(3, dtype=F64),
             torch.ones(3, 4, dtype=torch.bool))
-    a = pdmask.policy_loss(*args)
-    b = pdmask.policy_loss(*args, is_level="token", is_floor=None, is_mask=False, rejection=None,
+    a = flat.policy_loss(*args)
+    b = flat.policy_loss(*args, is_level="token", is_floor=None, is_mask=False, rejection=None,
                            off_policy_mask_threshold=None)
     assert torch.equal(a.loss, b.loss) and torch.equal(a.token_loss, b.token_loss)
     assert "masked_frac_correction" not in a.metrics
@@ -275,11 +276,11 @@ def test_masks_compose_with_every_mode(mode):
                 off_policy_mask_threshold=0.3)
     z0 = logits.clone().requires_grad_(True)
     z1 = logits.clone().requires_grad_(True)
-    out0 = pdmask.policy_loss(z0, **b, mode=mode, is_cap=3.0)
-    out1 = pdmask.policy_loss(z1, **b, mode=mode, **corr)
+    out0 = flat.policy_loss(z0, **b, mode=mode, is_cap=3.0)
+    out1 = flat.policy_loss(z1, **b, mode=mode, **corr)
     lr = out0.stats["log_ratio"].detach()
     valid = b["response_mask"]
-    _, k_is, _ = C.importance_weights(lr, valid, is_level="token", is_cap=3.0, is_floor=0.3, is_mask=True)
+    _, k_is, _ = C.importance_weights(lr, valid, C.Corrections(is_level="token", is_cap=3.0, is_floor=0.3, is_mask=True))
     k_rs, _ = C.rejection_mask(lr, valid, "seq_max_k3", 2.0)
     k_op, _ = C.off_policy_mask(lr, b["advantages"], valid, 0.3)
     ck = k_is & k_rs & k_op
@@ -298,7 +299,7 @@ def test_masks_compose_with_every_mode(mode):
 def test_sequence_weight_composes_with_every_dppo_mode(mode):
     """Seq-TIS replaces min(r, C): kept tokens' loss is -w_seq A log pi_k."""
     b = composed_case(seed=1)
-    out = pdmask.policy_loss(b.pop("logits"), **b, mode=mode, is_level="sequence", is_cap=2.0)
+    out = flat.policy_loss(b.pop("logits"), **b, mode=mode, is_level="sequence", is_cap=2.0)
     lr = out.stats["log_ratio"].detach()
     valid = b["response_mask"]
     w_seq = torch.where(valid, lr, torch.zeros_like(lr)).sum(-1).exp().clamp(max=2.0)  # (B,)
@@ -312,12 +313,12 @@ def test_grpo_refuses_weights_that_double_count():
     b = composed_case()
     b.pop("batch_ddot"), b.pop("rollout_logits")
     with pytest.raises(ValueError, match=r"^is_level: 'sequence' weights are refused with grpo"):
-        pdmask.policy_loss(**b, mode="grpo", is_level="sequence")
+        flat.policy_loss(**b, mode="grpo", is_level="sequence")
     with pytest.raises(ValueError, match=r"^is_floor: "):
-        pdmask.policy_loss(**b, mode="grpo", is_floor=0.5)
+        flat.policy_loss(**b, mode="grpo", is_floor=0.5)
     with pytest.raises(ValueError, match=r"^is_batch_normalize: "):
-        pdmask.policy_loss(**b, mode="grpo", is_batch_normalize=True)
-    pdmask.policy_loss(**b, mode="grpo", is_level="sequence", is_mask=True, is_floor=0.5)  # a mask is fine
+        flat.policy_loss(**b, mode="grpo", is_batch_normalize=True)
+    flat.policy_loss(**b, mode="grpo", is_level="sequence", is_mask=True, is_floor=0.5)  # a mask is fine
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -340,4 +341,4 @@ def test_bad_arguments_are_one_line_errors_before_the_logits(kw, msg):
     b = hand_batch()
     b["logits"] = torch.full((3, 3, 3), float("nan"), dtype=F64)  # never read: the check comes first
     with pytest.raises(ValueError, match=msg):
-        pdmask.policy_loss(**b, mode="none", **kw)
+        flat.policy_loss(**b, mode="none", **kw)

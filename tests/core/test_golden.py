@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pdmask
+from tests import flat  # noqa: E402
 
 CASES = json.loads((Path(__file__).parents[1] / "data" / "golden_ddot.json").read_text())["cases"]
 KEYS = {"logprob": "logp"}
@@ -16,7 +17,7 @@ KEYS = {"logprob": "logp"}
 
 def _stats(c):
     f64 = torch.float64
-    return pdmask.token_stats(
+    return flat.token_stats(
         torch.tensor(c["logits"], dtype=f64)[None, None],
         torch.tensor([[c["sampled_id"]]]),
         torch.tensor([[c["rollout_logprob"]]], dtype=f64),

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 import pdmask
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 PI = {"A": [.3, .6, .1], "B": [.5, .3, .2], "G": [.25, .25, .5], "D": [1 / 3] * 3, "E": [.25, .25, .5]}
@@ -59,7 +60,7 @@ def batch():
 
 def run(mode, **kw):
     b = batch()
-    return pdmask.policy_loss(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
+    return flat.policy_loss(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
                               b["rollout_topk_logprobs"], b["advantages"], b["response_mask"], mode=mode, **kw)
 
 
@@ -116,7 +117,7 @@ def test_mask_of_every_mode(mode, kw, want):
     got = out.mask[out.mask.new_tensor([[1, 1, 1], [1, 1, 0]]).bool()].long().tolist()
     assert got == want
     assert out.mask[1, 2].item()  # padding reports kept
-    mask2 = pdmask.trust_region_mask(
+    mask2 = flat.trust_region_mask(
         b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
         b["rollout_topk_logprobs"], b["advantages"], b["response_mask"], mode=mode,
         **{k: v for k, v in kw.items()})

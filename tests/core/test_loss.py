@@ -8,6 +8,7 @@ import torch
 import pdmask
 
 from .helpers import make_case
+from tests import flat  # noqa: E402
 
 MODES_TOPK = ["none", "dppo-binary-tv", "dppo-binary-kl", "dppo-topk-kl", "dppo-topk-tv",
               "pdm-topk-kl", "pdm-topk-tv"]
@@ -33,7 +34,7 @@ def shaped(B=3, T=5, V=30, K=4, seed=0, dtype=torch.float64, temperature=1.0, mi
 
 def call(b, mode, **kw):
     extra = {"rollout_logits": b["rollout_logits"]} if "full" in mode else {}
-    return pdmask.policy_loss(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
+    return flat.policy_loss(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
                               b["rollout_topk_logprobs"], b["advantages"], b["response_mask"],
                               mode=mode, **extra, **kw)
 
@@ -81,7 +82,7 @@ def test_mask_is_invariant_to_positive_scaling_of_the_update(mode):
 def test_trust_region_mask_matches_policy_loss_mask():
     b = shaped(seed=5, mismatch=1.0)
     for mode in MODES_TOPK:
-        m = pdmask.trust_region_mask(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
+        m = flat.trust_region_mask(b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
                                      b["rollout_topk_logprobs"], b["advantages"], b["response_mask"], mode=mode)
         assert torch.equal(m, call(b, mode).mask)
 
@@ -144,7 +145,7 @@ def test_k_equal_v_and_negative_inf_topk_entries():
     lp = torch.where(lp < -1e6, torch.tensor(float("-inf"), dtype=torch.float64), lp)[None]
     ids = torch.arange(V).expand(1, 2, V)
     k = torch.tensor([[0, 2]])
-    st = pdmask.token_stats(logits, k, lp[0].gather(-1, k[0][:, None]).T, ids, lp)
+    st = flat.token_stats(logits, k, lp[0].gather(-1, k[0][:, None]).T, ids, lp)
     for key, v in st.items():
         if v.dtype.is_floating_point:
             assert torch.isfinite(v).all(), key
@@ -160,7 +161,7 @@ def test_tail_mass_rounding_is_clamped_and_counted():
     logits = torch.zeros(1, 1, 5)
     topk = torch.tensor([[[0, 1]]])
     lp = torch.log(torch.tensor([[[0.6, 0.4 + 5e-4]]]))
-    out = pdmask.policy_loss(logits, torch.tensor([[0]]), lp[..., 0], topk, lp, torch.ones(1, 1),
+    out = flat.policy_loss(logits, torch.tensor([[0]]), lp[..., 0], topk, lp, torch.ones(1, 1),
                              torch.ones(1, 1, dtype=torch.bool), mode="pdm-topk-kl")
     assert out.stats["rollout_tail_mass"].item() == 0.0
     assert out.metrics["tail_clamped_frac"].item() == 1.0
@@ -191,7 +192,7 @@ def test_pi_k_underflow_in_bf16_stays_finite():
     topk = torch.tensor([[[3, 4], [4, 3]]])
     tlp = torch.log(torch.tensor([[[0.1, 0.05], [0.1, 0.05]]]))
     for mode in MODES_TOPK:
-        out = pdmask.policy_loss(logits, ids, lp, topk, tlp, torch.tensor([[1.0, -1.0]]),
+        out = flat.policy_loss(logits, ids, lp, topk, tlp, torch.tensor([[1.0, -1.0]]),
                                  torch.ones(1, 2, dtype=torch.bool), mode=mode, is_cap=math.inf)
         out.loss.backward()
         assert torch.isfinite(out.loss), mode
@@ -205,9 +206,9 @@ def test_empty_batch_gives_empty_statistics_and_zero_loss(impl):
     z = torch.randn(0, 5, 10, requires_grad=True)
     ids = torch.zeros(0, 5, dtype=torch.long)
     lp = torch.full((0, 5), -1.0)
-    st = pdmask.token_stats(z, ids, lp, ids[..., None], lp[..., None], impl=impl)
+    st = flat.token_stats(z, ids, lp, ids[..., None], lp[..., None], impl=impl)
     assert st["topk_kl"].shape == (0, 5) and st["ddot_topk_kl_exact"].shape == (0, 5)
-    out = pdmask.policy_loss(z, ids, lp, ids[..., None], lp[..., None], torch.zeros(0), torch.zeros(0, 5),
+    out = flat.policy_loss(z, ids, lp, ids[..., None], lp[..., None], torch.zeros(0), torch.zeros(0, 5),
                              impl=impl)
     out.loss.backward()
     assert out.loss.item() == 0.0 and z.grad.shape == z.shape

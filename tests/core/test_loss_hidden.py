@@ -8,6 +8,7 @@ import torch
 import pdmask
 
 from ..ops._ops_cases import AllocRecorder
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 MODES = ["pdm-topk-kl", "pdm-topk-tv", "dppo-topk-kl", "dppo-binary-tv", "grpo", "none"]
@@ -39,8 +40,8 @@ def both(dtype, mode, **kw):
     h0, W0, rest = case(dtype)
     h1, W1 = h0.clone().requires_grad_(), W0.clone().requires_grad_()
     h2, W2 = h0.clone().requires_grad_(), W0.clone().requires_grad_()
-    a = pdmask.policy_loss_from_hidden(h1, W1, **rest, mode=mode, chunk_cols=13, **kw)
-    b = pdmask.policy_loss(h2 @ W2.T, **rest, mode=mode, **kw)
+    a = flat.policy_loss_from_hidden(h1, W1, **rest, mode=mode, chunk_cols=13, **kw)
+    b = flat.policy_loss(h2 @ W2.T, **rest, mode=mode, **kw)
     a.loss.backward()
     b.loss.backward()
     return a, b, (h1.grad, W1.grad), (h2.grad, W2.grad)
@@ -78,7 +79,7 @@ def test_no_tensor_of_the_logits_size():
     h, W = h0.requires_grad_(), W0.requires_grad_()
     rec = AllocRecorder()
     with rec:
-        pdmask.policy_loss_from_hidden(h, W, **rest, mode="pdm-topk-kl", chunk_cols=50).loss.backward()
+        flat.policy_loss_from_hidden(h, W, **rest, mode="pdm-topk-kl", chunk_cols=50).loss.backward()
     assert max(n for _, n in rec.sizes) <= max(B * T * 50, V * H), sorted(rec.sizes)[-3:]  # never B * T * V
     assert h.grad is not None and W.grad is not None
 
@@ -92,6 +93,6 @@ def test_bad_inputs_name_the_argument():
         (h.long(), W, r"^hidden: "),
     ]:
         with pytest.raises(ValueError, match=msg):
-            pdmask.policy_loss_from_hidden(hh, ww, **rest)
-    with pytest.raises(ValueError, match=r"^sampled_ids: expected shape \(3, 6\)"):
-        pdmask.policy_loss_from_hidden(h, W, **{**rest, "sampled_ids": rest["sampled_ids"][:, :3]})
+            flat.policy_loss_from_hidden(hh, ww, **rest)
+    with pytest.raises(ValueError, match=r"^rollout.sampled_ids: expected shape \(3, 6\)"):
+        flat.policy_loss_from_hidden(h, W, **{**rest, "sampled_ids": rest["sampled_ids"][:, :3]})

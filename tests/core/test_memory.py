@@ -4,6 +4,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import pdmask
+from tests import flat  # noqa: E402
 
 
 def test_peak_allocation_is_bounded_by_the_chunk_and_the_gradient():
@@ -12,7 +13,7 @@ def test_peak_allocation_is_bounded_by_the_chunk_and_the_gradient():
     mu = torch.log_softmax(torch.randn(1, N, V), -1)
     top = mu.topk(K, -1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = pdmask.policy_loss(logits, top.indices[..., 0], top.values[..., 0], top.indices, top.values,
+        out = flat.policy_loss(logits, top.indices[..., 0], top.values[..., 0], top.indices, top.values,
                                  torch.ones(1), torch.ones(1, N, dtype=torch.bool), chunk_size=chunk)
         out.loss.backward()
     sizes = sorted((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), reverse=True)

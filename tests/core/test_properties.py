@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdmask
+from tests import flat  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -48,7 +49,7 @@ def cases(draw):
 @given(cases())
 def test_loss_and_gradient_are_always_finite(c):
     logits = c["logits"].clone().requires_grad_(True)
-    out = pdmask.policy_loss(logits, c["ids"], c["lp"], c["tk"], c["tlp"], c["adv"], c["resp"],
+    out = flat.policy_loss(logits, c["ids"], c["lp"], c["tk"], c["tlp"], c["adv"], c["resp"],
                              mode=c["mode"], loss_agg=c["agg"], estimator=c["est"], temperature=c["T"],
                              is_cap=math.inf if c["mode"] == "none" else 5.0, batch_ddot=c["bd"])
     out.loss.backward()
@@ -80,7 +81,7 @@ def test_topk_divergence_bounds_and_k_equal_v(V, seed, data):
     lp = logmu.gather(-1, k[..., None]).squeeze(-1)
     for KK in (K, V):
         top = logmu.topk(KK, -1)
-        s = pdmask.token_stats(z, k, lp, top.indices, top.values, rollout_logits=y)
+        s = flat.token_stats(z, k, lp, top.indices, top.values, rollout_logits=y)
         for d in ("kl", "tv"):
             assert (s[f"topk_{d}"] <= s[f"full_{d}"] + 1e-10).all()
     for d in ("kl", "tv"):

@@ -16,6 +16,7 @@ import torch
 
 import pdmask
 from pdmask.ops._reference import vllm_kept_mask
+from tests import flat  # noqa: E402
 
 F64 = torch.float64
 K = 5
@@ -45,8 +46,8 @@ def test_on_policy_ratio_is_biased_without_and_exactly_one_with_the_correction(s
     pi_S = torch.softmax(z, -1).masked_fill(~S, 0).sum(-1)  # the mass the engine kept, per row
     args = (z[None], rep["sampled_ids"][None], rep["rollout_logprob"][None], rep["rollout_topk_ids"][None],
             rep["rollout_topk_logprobs"][None])
-    naive = pdmask.token_stats(*args)
-    fixed = pdmask.token_stats(*args, **{f"sampling_{k}": v for k, v in s.items()})
+    naive = flat.token_stats(*args)
+    fixed = flat.token_stats(*args, **{f"sampling_{k}": v for k, v in s.items()})
     # before: r = pi_k / (pi_k / pi(S)) = pi(S) on every token, mean well below 1
     torch.testing.assert_close(naive["ratio"][0], pi_S)
     assert float(naive["ratio"].mean()) < 0.97
@@ -62,8 +63,8 @@ def test_policy_loss_metrics_report_the_bias_and_the_mismatch():
     z = logits(seed=1)
     rep, S, _ = engine(z, top_p=0.8)
     adv = torch.ones(1, 64, dtype=F64)
-    naive = pdmask.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl")
-    fixed = pdmask.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl",
+    naive = flat.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl")
+    fixed = flat.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl",
                                sampling_top_p=0.8)
     assert float(naive.metrics["ratio_mean"]) < 0.97
     torch.testing.assert_close(fixed.metrics["ratio_mean"], torch.tensor(1.0, dtype=F64))
@@ -72,7 +73,7 @@ def test_policy_loss_metrics_report_the_bias_and_the_mismatch():
     assert float(fixed.metrics["kept_set_sampled_outside_frac"]) == 0.0
     assert float(fixed.metrics["kept_set_topk_mismatch_frac"]) == 0.0
     # a trainer whose rule differs from the engine's (top_p .6 instead of .8) drops sampled tokens
-    other = pdmask.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl",
+    other = flat.policy_loss(z[None], *[v[None] for v in rep.values()], adv, None, mode="dppo-topk-kl",
                                sampling_top_p=0.6)
     assert float(other.metrics["kept_set_sampled_outside_frac"]) > 0.0
     assert float(other.metrics["kept_set_topk_mismatch_frac"]) > 0.0
@@ -86,7 +87,7 @@ def expected_ratio(z, rep_logmu, S, **trunc):
     k = torch.arange(V).repeat(N)
     inside = S[n, k]
     n, k = n[inside], k[inside]
-    st = pdmask.token_stats(z[n][None], k[None], rep_logmu[n, k][None], **{
+    st = flat.token_stats(z[n][None], k[None], rep_logmu[n, k][None], **{
         key: (v[n][None] if isinstance(v, torch.Tensor) else v) for key, v in trunc.items()})
     return torch.zeros(N, dtype=F64).index_add_(0, n, rep_logmu[n, k].exp() * st["ratio"][0])
 
@@ -112,8 +113,8 @@ def test_monte_carlo_mean_ratio_before_and_after():
     y = (base + 0.3 * logits(N=1, V=V, seed=5, scale=1.0)).expand(N, V).contiguous()
     rep, S, _ = engine(y, top_p=0.8, seed=6)
     args = (z[None], rep["sampled_ids"][None], rep["rollout_logprob"][None])
-    r0 = pdmask.token_stats(*args)["ratio"][0]
-    r1 = pdmask.token_stats(*args, rollout_kept_mask=S[None])["ratio"][0]
+    r0 = flat.token_stats(*args)["ratio"][0]
+    r1 = flat.token_stats(*args, rollout_kept_mask=S[None])["ratio"][0]
     se1 = float(r1.std()) / N ** 0.5
     assert abs(float(r1.mean()) - 1.0) < 4 * se1  # unbiased (n = 4000 draws)
     pi_S = float(torch.softmax(base, -1).masked_fill(~S[:1], 0).sum())
@@ -131,14 +132,14 @@ def test_truncation_composes_with_every_mode():
         if "full" in mode:
             continue  # the full-vocabulary modes refuse truncation (tested below)
         extra = {"batch_ddot": torch.randn(B, T, dtype=F64)} if "batch" in mode else {}
-        out = pdmask.policy_loss(z.view(B, T, -1).clone().requires_grad_(), rep["sampled_ids"].view(B, T),
+        out = flat.policy_loss(z.view(B, T, -1).clone().requires_grad_(), rep["sampled_ids"].view(B, T),
                                  rep["rollout_logprob"].view(B, T), **kw, advantages=torch.randn(B, dtype=F64),
                                  response_mask=torch.ones(B, T, dtype=torch.bool), mode=mode, sampling_top_k=6,
                                  **extra)
         torch.testing.assert_close(out.metrics["ratio_mean"], torch.tensor(1.0, dtype=F64), msg=mode)
         out.loss.backward()
-    with pytest.raises(ValueError, match=r"^rollout_logits: the full-vocabulary modes are not available"):
-        pdmask.policy_loss(z.view(B, T, -1), rep["sampled_ids"].view(B, T), rep["rollout_logprob"].view(B, T),
+    with pytest.raises(ValueError, match=r"^rollout.logits: the full-vocabulary terms are not available"):
+        flat.policy_loss(z.view(B, T, -1), rep["sampled_ids"].view(B, T), rep["rollout_logprob"].view(B, T),
                            None, None, torch.ones(B, dtype=F64), None, mode="pdm-full-kl",
                            rollout_logits=z.view(B, T, -1), sampling_top_k=6)
 
@@ -148,12 +149,12 @@ def test_bad_truncation_arguments_name_the_argument():
     base = (z, torch.zeros(1, 2, dtype=torch.long), torch.full((1, 2), -1.0, dtype=F64), None, None,
             torch.ones(1, dtype=F64), None)
     for kw, msg in [
-        (dict(sampling_top_p=2.0), r"^sampling_top_p: "),
-        (dict(sampling_top_k="5"), r"^sampling_top_k: "),
-        (dict(rollout_kept_mask=torch.ones(1, 2, 4, dtype=torch.bool)), r"^rollout_kept_mask: expected shape"),
+        (dict(sampling_top_p=2.0), r"^top_p: "),
+        (dict(sampling_top_k="5"), r"^top_k: "),
+        (dict(rollout_kept_mask=torch.ones(1, 2, 4, dtype=torch.bool)), r"^rollout.kept_mask: expected shape"),
         (dict(rollout_kept_mask=torch.ones(1, 2, 5, dtype=torch.bool), sampling_top_k=2),
-         r"^rollout_kept_mask: give either"),
+         r"^rollout.kept_mask: give either"),
         (dict(sampling_top_k=2, impl="triton"), r"^impl: 'triton' has no kernel"),
     ]:
         with pytest.raises(ValueError, match=msg):
-            pdmask.policy_loss(*base, mode="dppo-binary-kl", **kw)
+            flat.policy_loss(*base, mode="dppo-binary-kl", **kw)

@@ -12,6 +12,7 @@ import torch
 import pdmask
 from pdmask import ops
 from pdmask.ops import _reference, _torch
+from tests import flat  # noqa: E402
 
 
 class TouchedLogits(AssertionError):
@@ -43,8 +44,8 @@ BAD_LOSS_ARGS = [
     ("estimator", dict(estimator="exactish")),
     ("mode", dict(mode="pdm-topk-kld")),
     ("impl", dict(impl="cuda")),
-    ("chunk_size", dict(chunk_size=0)),
-    ("chunk_size", dict(chunk_size=2.5)),
+    ("chunk_rows", dict(chunk_size=0)),
+    ("chunk_rows", dict(chunk_size=2.5)),
     ("temperature", dict(temperature=0.0)),
     ("temperature", dict(temperature=math.nan)),
     ("delta_low", dict(delta_low=-0.1)),
@@ -53,7 +54,7 @@ BAD_LOSS_ARGS = [
     ("eps_high", dict(eps_high=-1.0)),
     ("is_cap", dict(is_cap=0.0)),
     ("loss_agg", dict(loss_agg="token-sum")),
-    ("rollout_logits", dict(mode="pdm-full-kl")),  # the mode needs mu's full logits
+    ("rollout.logits", dict(mode="pdm-full-kl")),  # the mode needs mu's full logits
     ("surrogate", dict(mode=pdmask.MaskMode("x", pdmask.ratio_region(), pdmask.ratio_sign(), "binary_kl",
                                             surrogate="ppo"))),
     ("divergence", dict(mode=pdmask.MaskMode("x", pdmask.ratio_region(), pdmask.ratio_sign(), "binary_kld"))),
@@ -63,29 +64,29 @@ BAD_LOSS_ARGS = [
 def test_the_patched_reductions_are_reached_with_good_arguments(no_logits):
     # without this the tests below could pass vacuously
     with pytest.raises(TouchedLogits):
-        pdmask.policy_loss(*_args())
+        flat.policy_loss(*_args())
     with pytest.raises(TouchedLogits):
-        pdmask.token_stats(*_args()[:5])
+        flat.token_stats(*_args()[:5])
 
 
 @pytest.mark.parametrize("name,kw", BAD_LOSS_ARGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_LOSS_ARGS)])
 def test_policy_loss_checks_before_reducing(no_logits, name, kw):
     with pytest.raises(ValueError, match=f"^{name}:"):
-        pdmask.policy_loss(*_args(), **kw)
+        flat.policy_loss(*_args(), **kw)
 
 
 @pytest.mark.parametrize("name,kw", [x for x in BAD_LOSS_ARGS if x[0] not in ("is_cap", "loss_agg")],
                          ids=lambda x: x if isinstance(x, str) else "")
 def test_trust_region_mask_checks_before_reducing(no_logits, name, kw):
     with pytest.raises(ValueError, match=f"^{name}:"):
-        pdmask.trust_region_mask(*_args(), **kw)
+        flat.trust_region_mask(*_args(), **kw)
 
 
-@pytest.mark.parametrize("name,kw", [("impl", dict(impl="gpu")), ("chunk_size", dict(chunk_size=-3)),
+@pytest.mark.parametrize("name,kw", [("impl", dict(impl="gpu")), ("chunk_rows", dict(chunk_size=-3)),
                                      ("temperature", dict(temperature=-1.0))])
 def test_token_stats_checks_before_reducing(no_logits, name, kw):
     with pytest.raises(ValueError, match=f"^{name}:"):
-        pdmask.token_stats(*_args()[:5], **kw)
+        flat.token_stats(*_args()[:5], **kw)
 
 
 def test_predictive_refuses_an_unknown_divergence_when_built():

@@ -5,7 +5,9 @@ import warnings
 import pytest
 import torch
 
-from pdmask import token_stats
+import pdmask
+
+from tests.flat import token_stats
 from pdmask.engine import make_engine
 from pdmask.engine.hf import HFEngine, cache_kwarg, response_logits, sample
 from pdmask.engine.precision import E4M3_MAX, fp8_roundtrip
@@ -20,18 +22,18 @@ def _engine(model, **kw):
 def test_topk_logprobs_are_log_softmax_of_own_scaled_logits(tiny_model, prompts, temperature):
     eng = _engine(tiny_model, temperature=temperature)
     b = eng.generate(prompts, max_new_tokens=12, seed=3, return_logits=True)
-    logq = torch.log_softmax(b.logits / temperature, -1)  # (B, T, V)
+    logq = torch.log_softmax(b.rollout.logits / temperature, -1)  # (B, T, V)
     m = b.response_mask
     assert m.sum() > 10
     # the reported top-K are the K largest entries of log_softmax(z / T), in order
     ref = torch.topk(logq, 20, -1)
-    torch.testing.assert_close(b.topk_logprobs[m], ref.values[m], rtol=0, atol=1e-6)
-    torch.testing.assert_close(b.topk_logprobs[m], logq.gather(-1, b.topk_ids)[m], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.rollout.topk_logprobs[m], ref.values[m], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.rollout.topk_logprobs[m], logq.gather(-1, b.rollout.topk_ids)[m], rtol=0, atol=1e-6)
     sampled = logq.gather(-1, b.response_ids[..., None]).squeeze(-1)
-    torch.testing.assert_close(b.sampled_logprob[m], sampled[m], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.rollout.sampled_logprob[m], sampled[m], rtol=0, atol=1e-6)
     # with temperature != 1, these differ from the unscaled distribution
     if temperature != 1.0:
-        assert (torch.log_softmax(b.logits, -1).gather(-1, b.topk_ids)[m] - b.topk_logprobs[m]).abs().max() > 1e-3
+        assert (torch.log_softmax(b.rollout.logits, -1).gather(-1, b.rollout.topk_ids)[m] - b.rollout.topk_logprobs[m]).abs().max() > 1e-3
 
 
 def test_generation_deterministic_given_seed(tiny_model, prompts):
@@ -39,7 +41,7 @@ def test_generation_deterministic_given_seed(tiny_model, prompts):
     a = eng.generate(prompts, max_new_tokens=10, seed=7)
     b = eng.generate(prompts, max_new_tokens=10, seed=7)
     c = eng.generate(prompts, max_new_tokens=10, seed=8)
-    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.sampled_logprob, b.sampled_logprob)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.rollout.sampled_logprob, b.rollout.sampled_logprob)
     assert not torch.equal(a.sequences, c.sequences)
 
 
@@ -67,7 +69,7 @@ def test_score_matches_sampling_logits(tiny_model, prompts):
     b = eng.generate(prompts, max_new_tokens=10, seed=1, return_logits=True)
     z = eng.score(b.sequences, b.attention_mask, b.prompt_len)
     m = b.response_mask
-    torch.testing.assert_close(z[m], b.logits[m], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(z[m], b.rollout.logits[m], rtol=1e-4, atol=1e-4)
 
 
 def test_generation_uses_the_current_cache_api_without_warnings(tiny_model, prompts):
@@ -98,8 +100,7 @@ def test_cache_kwarg_follows_the_forward_signature(tiny_model):
 def _mismatch(model, eng, b):
     with torch.no_grad():
         z = response_logits(model, b.sequences, b.attention_mask, b.prompt_len)
-    st = token_stats(z, b.response_ids, b.sampled_logprob, b.topk_ids, b.topk_logprobs,
-                     response_mask=b.response_mask, temperature=eng.temperature)
+    st = pdmask.token_stats(z, b.rollout, sampling=pdmask.Sampling(eng.temperature))
     return st["topk_kl"][b.response_mask], st["log_ratio"][b.response_mask]
 
 
@@ -128,7 +129,7 @@ def test_engine_owns_its_weights(tiny_model, prompts):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     b1 = eng.generate(prompts, max_new_tokens=8, seed=2)
-    assert torch.equal(b0.sampled_logprob, b1.sampled_logprob)  # trainer update does not leak in
+    assert torch.equal(b0.rollout.sampled_logprob, b1.rollout.sampled_logprob)  # trainer update does not leak in
     kl, _ = _mismatch(model, eng, b1)
     assert kl.mean() > 1e-5  # ... so the lag is real mismatch
     eng.load_weights(model.state_dict())
@@ -173,9 +174,9 @@ def test_shared_prefill_equals_the_plain_prefill(tiny_model, prompts, precision)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
     tol = 1e-5 if precision == "fp32" else 2e-2
     m = a.response_mask
-    torch.testing.assert_close(b.sampled_logprob[m], a.sampled_logprob[m], rtol=0, atol=tol)
-    torch.testing.assert_close(b.topk_logprobs[m], a.topk_logprobs[m], rtol=0, atol=tol)
-    torch.testing.assert_close(b.logits[m], a.logits[m], rtol=0, atol=tol * 10)
+    torch.testing.assert_close(b.rollout.sampled_logprob[m], a.rollout.sampled_logprob[m], rtol=0, atol=tol)
+    torch.testing.assert_close(b.rollout.topk_logprobs[m], a.rollout.topk_logprobs[m], rtol=0, atol=tol)
+    torch.testing.assert_close(b.rollout.logits[m], a.rollout.logits[m], rtol=0, atol=tol * 10)
     # rows of one group differ after the prefill (each samples its own tokens)
     assert not all(torch.equal(b.sequences[0], b.sequences[i]) for i in (1, 2))
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pdmask
+
 from pdmask.engine.vllm import VLLMEngine, import_vllm
 
 try:
@@ -146,23 +148,23 @@ def _params_without_lm_head(model):
 def test_topk_and_sampled_logprobs_match_transformers_fp32(engine, hf):
     batch = engine.generate(PROMPTS, max_new_tokens=12, seed=0)
     B, T = batch.response_mask.shape
-    assert batch.sequences.shape == (B, batch.prompt_len + T) and batch.topk_ids.shape == (B, T, K)
+    assert batch.sequences.shape == (B, batch.prompt_len + T) and batch.rollout.topk_ids.shape == (B, T, K)
     ref = torch.log_softmax(hf_logits(hf, batch) / TEMP, -1)  # (B, T, V) of the sampling distribution
     m = batch.response_mask
     ref_sampled = ref.gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    torch.testing.assert_close(batch.sampled_logprob[m], ref_sampled[m], atol=ATOL_FP32, rtol=0)
+    torch.testing.assert_close(batch.rollout.sampled_logprob[m], ref_sampled[m], atol=ATOL_FP32, rtol=0)
     ref_top = ref.topk(K, -1)
-    torch.testing.assert_close(batch.topk_logprobs[m], ref_top.values[m], atol=ATOL_FP32, rtol=0)
+    torch.testing.assert_close(batch.rollout.topk_logprobs[m], ref_top.values[m], atol=ATOL_FP32, rtol=0)
     # ids must agree wherever an entry is separated from both neighbours (incl. the K+1-th) by > 1e-3
     v = ref.topk(K + 1, -1).values  # (B, T, K + 1)
     gap_next = v[..., :-1] - v[..., 1:]  # (B, T, K)
     gap_prev = torch.cat([torch.full_like(gap_next[..., :1], float("inf")), gap_next[..., :-1]], -1)
     clear = m[..., None] & torch.minimum(gap_prev, gap_next).gt(1e-3)
     assert clear.float().mean() > 0.8
-    assert torch.equal(batch.topk_ids[clear], ref_top.indices[clear])
+    assert torch.equal(batch.rollout.topk_ids[clear], ref_top.indices[clear])
     # not the raw-logit distribution: temperature is applied (T=0.7 changes every log-prob)
     raw = torch.log_softmax(hf_logits(hf, batch), -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    assert (raw[m] - batch.sampled_logprob[m]).abs().max() > 0.05
+    assert (raw[m] - batch.rollout.sampled_logprob[m]).abs().max() > 0.05
 
 
 def test_sampled_logprob_consistent_with_topk(engine):
@@ -172,17 +174,17 @@ def test_sampled_logprob_consistent_with_topk(engine):
     finally:
         engine.temperature = TEMP
     m = batch.response_mask
-    hit = (batch.topk_ids == batch.response_ids[..., None]) & m[..., None]  # (B, T, K)
+    hit = (batch.rollout.topk_ids == batch.response_ids[..., None]) & m[..., None]  # (B, T, K)
     inside, outside = hit.any(-1), m & ~hit.any(-1)
     assert inside.sum() > 10 and outside.sum() > 10
     # inside: the sampled entry is the same number as its top-K entry
-    in_topk = (batch.topk_logprobs * hit).sum(-1)
-    torch.testing.assert_close(batch.sampled_logprob[inside], in_topk[inside], atol=0, rtol=0)
+    in_topk = (batch.rollout.topk_logprobs * hit).sum(-1)
+    torch.testing.assert_close(batch.rollout.sampled_logprob[inside], in_topk[inside], atol=0, rtol=0)
     # outside: the sampled token is no likelier than the K-th entry
-    assert (batch.sampled_logprob[outside] <= batch.topk_logprobs[..., -1][outside] + 1e-6).all()
+    assert (batch.rollout.sampled_logprob[outside] <= batch.rollout.topk_logprobs[..., -1][outside] + 1e-6).all()
     # descending top-K, proper log-probs
-    assert (batch.topk_logprobs[m][:, :-1] >= batch.topk_logprobs[m][:, 1:]).all()
-    assert (batch.topk_logprobs[m].exp().sum(-1) <= 1 + 1e-5).all()
+    assert (batch.rollout.topk_logprobs[m][:, :-1] >= batch.rollout.topk_logprobs[m][:, 1:]).all()
+    assert (batch.rollout.topk_logprobs[m].exp().sum(-1) <= 1 + 1e-5).all()
 
 
 def test_seed_determinism(engine):
@@ -214,11 +216,10 @@ def test_eos_is_last_real_token(engine):
 
 def test_rollout_batch_feeds_token_stats(engine, hf):
     # the engine batch is consumable by the core library; fp32 engine vs fp32 policy: ~no mismatch
-    from pdmask import token_stats
+    from tests.flat import token_stats
 
     batch = engine.generate(PROMPTS, max_new_tokens=8, seed=1)
-    st = token_stats(hf_logits(hf, batch), batch.response_ids, batch.sampled_logprob, batch.topk_ids,
-                     batch.topk_logprobs, response_mask=batch.response_mask, temperature=TEMP)
+    st = pdmask.token_stats(hf_logits(hf, batch), batch.rollout.replace(logits=None), sampling=pdmask.Sampling(TEMP))
     m = batch.response_mask
     assert st["log_ratio"][m].abs().max() < ATOL_FP32
     assert st["topk_kl"][m].abs().max() < 1e-4
@@ -231,11 +232,11 @@ def test_score_matches_transformers_logsoftmax(engine, hf):
     batch = engine.generate(PROMPTS, max_new_tokens=6, seed=2, return_logits=True)
     ref = torch.log_softmax(hf_logits(hf, batch), -1)  # raw logits (no temperature), shifted by lse
     m = batch.response_mask
-    torch.testing.assert_close(batch.logits[m], ref[m], atol=ATOL_FP32, rtol=0)
-    assert batch.logits[~m].eq(0).all()
+    torch.testing.assert_close(batch.rollout.logits[m], ref[m], atol=ATOL_FP32, rtol=0)
+    assert batch.rollout.logits[~m].eq(0).all()
     # the generate-time top-K is the top-K of softmax(score / T)
-    top = torch.log_softmax(batch.logits / TEMP, -1).topk(K, -1).values
-    torch.testing.assert_close(batch.topk_logprobs[m], top[m], atol=ATOL_FP32, rtol=0)
+    top = torch.log_softmax(batch.rollout.logits / TEMP, -1).topk(K, -1).values
+    torch.testing.assert_close(batch.rollout.topk_logprobs[m], top[m], atol=ATOL_FP32, rtol=0)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -245,7 +246,7 @@ def _check_engine_matches(engine, model, prompts, seed):
     batch = engine.generate(prompts, max_new_tokens=6, seed=seed)
     ref = torch.log_softmax(hf_logits(model, batch) / TEMP, -1)
     m = batch.response_mask
-    return (batch.topk_logprobs[m] - ref.topk(K, -1).values[m]).abs().max().item()
+    return (batch.rollout.topk_logprobs[m] - ref.topk(K, -1).values[m]).abs().max().item()
 
 
 def test_load_weights_changes_outputs_to_new_weights_tied_without_lm_head(fresh_engine, hf):
@@ -259,7 +260,7 @@ def test_load_weights_changes_outputs_to_new_weights_tied_without_lm_head(fresh_
     # full-vocabulary check through score(), which also covers every position of the output layer
     batch = fresh_engine.generate(PROMPTS, max_new_tokens=6, seed=0, return_logits=True)
     m = batch.response_mask
-    torch.testing.assert_close(batch.logits[m], torch.log_softmax(hf_logits(new, batch), -1)[m],
+    torch.testing.assert_close(batch.rollout.logits[m], torch.log_softmax(hf_logits(new, batch), -1)[m],
                                atol=ATOL_FP32, rtol=0)
     # and back: a state_dict() that carries lm_head too (transformers includes the tied key)
     fresh_engine.load_weights(hf.state_dict())
@@ -391,7 +392,7 @@ def test_bf16_engine_has_real_but_bounded_mismatch(engines, model_dir, hf):
     batch = engines.get(model_dir, precision="bf16").generate(PROMPTS, max_new_tokens=8, seed=0)
     ref = torch.log_softmax(hf_logits(hf, batch) / TEMP, -1)
     m = batch.response_mask
-    err = (batch.sampled_logprob[m] - ref.gather(-1, batch.response_ids[..., None]).squeeze(-1)[m]).abs()
+    err = (batch.rollout.sampled_logprob[m] - ref.gather(-1, batch.response_ids[..., None]).squeeze(-1)[m]).abs()
     assert err.max() > 10 * ATOL_FP32  # bf16 weights/activations: a mismatch fp32 does not have
     assert err.max() < 0.5
 
@@ -406,7 +407,7 @@ def err(e, hf, ids):
     b = e.generate([ids], max_new_tokens=3, seed=0, return_logits=True)
     with torch.no_grad():
         ref = torch.log_softmax(hf(b.sequences[:, :-1]).logits[0, -3:], -1)
-    return (b.logits[0] - ref).abs().max().item()
+    return (b.rollout.logits[0] - ref).abs().max().item()
 
 if __name__ == "__main__":  # the multiprocess engine core is spawned: the guard is required
     hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)

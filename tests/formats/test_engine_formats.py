@@ -24,6 +24,7 @@ from pdmask.formats.vllm import (  # noqa: E402
     EngineSemanticsWarning, check_sampling_semantics, from_ranked_lists, from_vllm_logprobs,
     from_vllm_outputs, logprobs_mode_of,
 )
+from tests import flat  # noqa: E402
 
 L = F.Logprob
 
@@ -107,7 +108,7 @@ def test_vllm_inf_entries_from_truncation_are_kept():
     # mass of the kept set is renormalised to 1
     torch.testing.assert_close(r.topk_logprobs.exp().sum(-1), torch.ones(2, 3), atol=1e-5, rtol=0)
     # and the core library accepts them (no NaN from the -inf entries)
-    out = pdmask.policy_loss(logits.requires_grad_(), r.sampled_ids, r.sampled_logprob, r.topk_ids,
+    out = flat.policy_loss(logits.requires_grad_(), r.sampled_ids, r.sampled_logprob, r.topk_ids,
                              r.topk_logprobs, torch.ones(2), r.response_mask, temperature=0.9)
     assert torch.isfinite(out.loss)
     out.loss.backward()
@@ -313,9 +314,9 @@ def test_converted_tensors_give_the_same_loss_as_direct_ones():
     pi_logits = mu_logits + 0.3 * _logits(seed=12)
     adv = torch.tensor([1.0, -1.0, 0.5])
     for mode in ("pdm-topk-kl", "dppo-topk-tv", "grpo"):
-        a = pdmask.policy_loss(pi_logits, r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs,
+        a = flat.policy_loss(pi_logits, r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs,
                                adv, mask, mode=mode, temperature=T)
-        b = pdmask.policy_loss(pi_logits, ids, s_lp, tk_ids, tk_lp, adv, mask, mode=mode, temperature=T)
+        b = flat.policy_loss(pi_logits, ids, s_lp, tk_ids, tk_lp, adv, mask, mode=mode, temperature=T)
         torch.testing.assert_close(a.loss, b.loss)
         assert torch.equal(a.mask, b.mask)
 

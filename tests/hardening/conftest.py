@@ -21,11 +21,5 @@ def cli_run():
 
 
 @pytest.fixture(scope="session")
-def smoke_cache(tmp_path_factory):
-    """One SFT cache for this directory's run tests (the smoke base is trained once)."""
-    return tmp_path_factory.mktemp("hardening-sft-cache")
-
-
-@pytest.fixture(scope="session")
 def smoke():
     return REPO_CONFIGS / "smoke.yaml"

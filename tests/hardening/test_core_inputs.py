@@ -10,6 +10,7 @@ import torch
 import pdmask
 from pdmask import _validate
 from pdmask.loss import aggregate
+from tests import flat  # noqa: E402
 
 B, T, V, K = 2, 3, 10, 3
 
@@ -66,11 +67,11 @@ def call(fn="policy_loss", base=None, **over):
     if rl is not None:
         kw["rollout_logits"] = rl
     if fn == "policy_loss":
-        return pdmask.policy_loss(*[a[k] for k in POLICY_ARGS], **kw)
+        return flat.policy_loss(*[a[k] for k in POLICY_ARGS], **kw)
     if fn == "trust_region_mask":
-        return pdmask.trust_region_mask(*[a[k] for k in POLICY_ARGS], **kw)
+        return flat.trust_region_mask(*[a[k] for k in POLICY_ARGS], **kw)
     kw.pop("mode", None)
-    return pdmask.token_stats(*[a[k] for k in POLICY_ARGS[:5]], response_mask=a["response_mask"], **kw)
+    return flat.token_stats(*[a[k] for k in POLICY_ARGS[:5]], response_mask=a["response_mask"], **kw)
 
 
 def _mass_over_one():
@@ -199,9 +200,17 @@ CASES = [
     ("delta_low nan", None, dict(delta_low=math.nan), "delta_low"),
     ("delta_high str", None, dict(delta_high="0.1"), "delta_high"),
     ("delta_high bool", None, dict(delta_high=True), "delta_high"),
-    ("chunk_size bool", None, dict(chunk_size=True), "chunk_size"),
-    ("chunk_size float", None, dict(chunk_size=64.0), "chunk_size"),
+    ("chunk_size bool", None, dict(chunk_size=True), "chunk_rows"),
+    ("chunk_size float", None, dict(chunk_size=64.0), "chunk_rows"),
 ]
+
+
+#: the argument names of the flat spelling -> the names the errors give (fields of the Rollout)
+NAMED = {"sampled_ids": "rollout.sampled_ids", "rollout_logprob": "rollout.sampled_logprob",
+         "rollout_topk_ids": "rollout.topk_ids", "rollout_topk_logprobs": "rollout.topk_logprobs",
+         "rollout_logits": "rollout.logits", "response_mask": "rollout.response_mask",
+         "rollout_kept_mask": "rollout.kept_mask"}
+CASES = [(c, b, o, NAMED.get(a, a)) for c, b, o, a in CASES]
 
 
 @pytest.mark.parametrize("cid,base,over,arg", CASES, ids=[c[0] for c in CASES])
@@ -302,7 +311,7 @@ AGG = [
 @pytest.mark.parametrize("arg,kw", AGG, ids=[f"{a}-{i}" for i, (a, _) in enumerate(AGG)])
 def test_aggregate_refuses(arg, kw):
     with pytest.raises(ValueError) as e:
-        aggregate(torch.randn(B, T), torch.ones(B, T, dtype=torch.bool), **kw)
+        aggregate(torch.randn(B, T), torch.ones(B, T, dtype=torch.bool), pdmask.Aggregation(**kw))
     assert str(e.value).startswith(arg + ":"), str(e.value)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import pdmask
 from pdmask import ops
+from tests import flat  # noqa: E402
 
 B, T, V, K = 3, 5, 16, 4
 
@@ -43,7 +44,7 @@ def poison(t, mask, value):
 
 def loss_and_grad(x, logits, **kw):
     logits = logits.detach().requires_grad_(True)
-    out = pdmask.policy_loss(logits, x["sampled_ids"], x["rollout_logprob"], x["topk_ids"], x["topk_lp"], x["adv"],
+    out = flat.policy_loss(logits, x["sampled_ids"], x["rollout_logprob"], x["topk_ids"], x["topk_lp"], x["adv"],
                              x["mask"], **kw)
     out.loss.backward()
     return out, logits.grad
@@ -106,7 +107,7 @@ def test_padding_through_a_linear_head_gives_a_finite_weight_gradient(how):
 
     def grads(hidden, add):
         head.zero_grad()
-        out = pdmask.policy_loss(head(hidden) + add, x["sampled_ids"], x["rollout_logprob"], x["topk_ids"],
+        out = flat.policy_loss(head(hidden) + add, x["sampled_ids"], x["rollout_logprob"], x["topk_ids"],
                                  x["topk_lp"], x["adv"], x["mask"])
         out.loss.backward()
         return out.loss.detach(), head.weight.grad.clone(), head.bias.grad.clone()

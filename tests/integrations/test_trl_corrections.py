@@ -26,6 +26,7 @@ import trl_helpers as H  # noqa: E402
 
 import pdmask  # noqa: E402
 from pdmask.integrations.trl import options  # noqa: E402
+from tests import flat  # noqa: E402
 
 VLLM = dict(use_vllm=True)
 #: TRL config -> the core's IS keywords, written out by hand
@@ -49,10 +50,10 @@ MAPPING = [
 
 @pytest.mark.parametrize("trl_kw,core_kw", MAPPING, ids=[str(i) for i in range(len(MAPPING))])
 def test_vllm_is_options_map_to_the_core(tmp_path, trl_kw, core_kw):
-    kw = options.loss_kwargs(H.config(tmp_path, **VLLM, **trl_kw))
+    kw = H.loss_kwargs(H.config(tmp_path, **VLLM, **trl_kw))
     assert {k: kw[k] for k in core_kw} == core_kw
     # without vLLM TRL applies no correction: pdmask's own (default) weight min(r, is_cap)
-    off = options.loss_kwargs(H.config(tmp_path))
+    off = H.loss_kwargs(H.config(tmp_path))
     assert (off["is_level"], off["is_mask"], off["is_cap"], off["is_floor"]) == ("token", False, 5.0, None)
 
 
@@ -82,8 +83,8 @@ def test_core_weights_equal_trls(tmp_path, trl_kw):
     w_trl = _trl_is_ratio(logp, mu, mask, cfg.vllm_importance_sampling_mode,
                           cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
     w_trl = w_trl.expand(B, T)
-    kw = {k: v for k, v in options.loss_kwargs(cfg).items() if k in ("is_level", "is_mask", "is_cap", "is_floor")}
-    w, keep, _ = pdmask.importance_weights(logp - mu, mask.bool(), **kw)
+    kw = {k: v for k, v in H.loss_kwargs(cfg).items() if k in ("is_level", "is_mask", "is_cap", "is_floor")}
+    w, keep, _ = pdmask.importance_weights(logp - mu, mask.bool(), pdmask.Corrections(**kw))
     v = mask.bool()
     if kw["is_mask"]:
         # TRL zeroes the weight outside the bounds, pdmask masks the token; inside both keep r
@@ -137,7 +138,7 @@ def test_trainer_applies_pdmask_corrections_and_trls_off_policy_mask(tmp_path):
     tr = H.make_trainer(tmp_path, mask_mode="pdm-topk-kl", learning_rate=0.2, max_steps=4, steps_per_generation=4,
                         is_level="sequence", is_cap=2.0, rejection="token_k3", rejection_threshold="0.01",
                         off_policy_mask_threshold=0.02)
-    kw = options.loss_kwargs(tr.args)
+    kw = H.loss_kwargs(tr.args)
     assert (kw["is_level"], kw["is_cap"], kw["rejection"], kw["rejection_threshold"],
             kw["off_policy_mask_threshold"]) == ("sequence", 2.0, "token_k3", "0.01", 0.02)
     tr.train()
@@ -159,7 +160,7 @@ def test_truncated_sampling_on_policy_ratio_is_one(tmp_path, samp):
     so on-policy the ratio is 1 on every token and nothing is masked. Uncorrected, it would be
     pi(S) < 1 (the bias the correction removes)."""
     tr = H.make_trainer(tmp_path, mask_mode="dppo-topk-tv", max_steps=1, steps_per_generation=1, **samp)
-    assert options.sampling(tr.args)["sampling_top_p" if "top_p" in samp else "sampling_top_k"] is not None
+    assert getattr(options.sampling(tr.args), "top_p" if "top_p" in samp else "top_k") is not None
     tr.train()
     rec = tr.records[0]
     assert rec["on_policy"]
@@ -171,8 +172,8 @@ def test_truncated_sampling_on_policy_ratio_is_one(tmp_path, samp):
     assert bool(rec["kept"][valid].all())
     # the same tensors without the truncation keywords: biased ratio, the TV mask fires on-policy
     inp = rec["inputs"]
-    biased = pdmask.policy_loss(rec["logits"], inp["completion_ids"], inp["rollout_logprobs"],
-                                inp["rollout_topk_ids"], inp["rollout_topk_logprobs"], inp["advantages"], valid,
+    biased = flat.policy_loss(rec["logits"], inp["completion_ids"], inp["sampled_logprob"],
+                                inp["topk_ids"], inp["topk_logprobs"], inp["advantages"], valid,
                                 mode="dppo-topk-tv", temperature=tr.args.temperature)
     assert float(biased.metrics["ratio_mean"]) < 0.99
 

@@ -154,7 +154,7 @@ def test_trl_delta_is_the_grpo_dual_clip(tmp_path):
     r = (logp - old).exp()
     assert bool(((adv < 0) & (r > delta)).any()), "the sample must hit the dual clip"
     cfg = H.config(tmp_path, mask_mode="grpo", delta=delta, epsilon_high=eps_high)
-    kw = options.loss_kwargs(cfg)
+    kw = H.loss_kwargs(cfg)
     assert {k: kw[k] for k in ("eps_low", "eps_high", "is_cap")} == {"eps_low": eps_low, "eps_high": eps_high,
                                                                      "is_cap": delta}
 

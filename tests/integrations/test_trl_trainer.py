@@ -35,19 +35,19 @@ def _check_records(tr, k):
         assert torch.isfinite(rec["loss"])
         torch.testing.assert_close(rec["loss"], rec["expected"], atol=1e-6, rtol=1e-5)
         inp, m = rec["inputs"], rec["mask"]
-        assert inp["rollout_logprobs"].shape == m.shape
+        assert inp["sampled_logprob"].shape == m.shape
         if k:
-            assert inp["rollout_topk_ids"].shape == m.shape + (k,)
+            assert inp["topk_ids"].shape == m.shape + (k,)
         if rec["on_policy"]:
             # no update since generation: the captured mu is the model's softmax(logits / T)
             lq = torch.log_softmax(rec["logits"] / T, -1)
             s_lp = lq.gather(-1, inp["completion_ids"][..., None]).squeeze(-1)
-            torch.testing.assert_close(inp["rollout_logprobs"][m], s_lp[m], atol=2e-5, rtol=0)
+            torch.testing.assert_close(inp["sampled_logprob"][m], s_lp[m], atol=2e-5, rtol=0)
             if k:
-                torch.testing.assert_close(inp["rollout_topk_logprobs"][m], lq.topk(k, -1).values[m],
+                torch.testing.assert_close(inp["topk_logprobs"][m], lq.topk(k, -1).values[m],
                                            atol=2e-5, rtol=0)
-                torch.testing.assert_close(inp["rollout_topk_logprobs"][m],
-                                           lq.gather(-1, inp["rollout_topk_ids"])[m], atol=2e-5, rtol=0)
+                torch.testing.assert_close(inp["topk_logprobs"][m],
+                                           lq.gather(-1, inp["topk_ids"])[m], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -107,7 +107,7 @@ def test_vllm_path_picks_the_sampled_token(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [
     ({"mask_mode": "pdm-full-kl"}, "full logits"),
-    ({"mask_mode": "nope"}, "unknown value"),
+    ({"mask_mode": "nope"}, "^mask_mode: unknown mode"),
     ({"mask_mode": "pdm-topk-kl", "rollout_top_k": 0}, "K >= 1"),
     ({"loss_type": "cispo"}, "loss_type"),
     ({"beta": 0.04}, "beta"),

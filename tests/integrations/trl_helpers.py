@@ -9,13 +9,16 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-# engine_fakes.py lives with the converter tests (tests/formats), which share it
+# engine_fakes.py lives with the converter tests (tests/formats), which share it; the repository
+# root makes tests.flat importable in the torchrun workers too
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine_fakes import RequestOutput, CompletionOutput, append_position, trl_extract  # noqa: E402
 from tiny_lm import prompts, reward_letter_a, tiny_model, tiny_tokenizer  # noqa: E402
 
 import pdmask  # noqa: E402
 from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, options  # noqa: E402
+from tests import flat  # noqa: E402
 
 
 def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
@@ -36,6 +39,23 @@ def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
         return x.sum() / (x.shape[0] * trainer.max_completion_length) / ga
     raise AssertionError(lt)
 
+
+
+def loss_kwargs(args) -> dict:
+    """The loss settings the config maps to, in the flat spelling of :mod:`tests.flat`:
+    the corrections' fields and the grpo clip range of ``options.loss_spec``."""
+    from pdmask.corrections import FIELDS
+
+    spec = options.loss_spec(args)
+    kw = {name: getattr(spec.corrections, name) for name in FIELDS}
+    kw.update(eps_low=spec.thresholds.eps_low, eps_high=spec.thresholds.eps_high)
+    return kw
+
+
+def sampling_kwargs(args) -> dict:
+    """The generator's truncation as the flat ``sampling_*`` keywords."""
+    s = options.sampling(args)
+    return {"sampling_top_k": s.top_k, "sampling_top_p": s.top_p, "sampling_min_p": s.min_p}
 
 class Probe(GRPOTrainer):
     """Checks every micro-batch against an independent computation."""
@@ -61,15 +81,15 @@ class Probe(GRPOTrainer):
             # TRL's two-sided clip `delta` is the grpo dual clip (see test_trl_options); the
             # corrections and the truncation as mapped by options (their mapping: test_trl_corrections)
             cap = a.delta if (a.mask_mode == "grpo" and a.delta is not None) else a.is_cap
-            corr = {k: v for k, v in options.loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
+            corr = {k: v for k, v in loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
             if options.vllm_is_on(a):
-                cap = options.loss_kwargs(a)["is_cap"]
-            ref = pdmask.policy_loss(
-                logits, comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
-                inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
+                cap = loss_kwargs(a)["is_cap"]
+            ref = flat.policy_loss(
+                logits, comp, inputs["sampled_logprob"], inputs.get("topk_ids"),
+                inputs.get("topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
                 estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,
                 eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=cap,
-                temperature=a.temperature, **corr, **options.sampling(a))
+                temperature=a.temperature, **corr, **sampling_kwargs(a))
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
             if moe:  # TRL adds coef x aux / GA (grpo_trainer._compute_loss)
                 ga = self.current_gradient_accumulation_steps

@@ -6,6 +6,7 @@ import torch
 
 import pdmask
 from pdmask.ops import FULL_KEYS
+from tests import flat  # noqa: E402
 
 
 def _batch(dtype, *, B=3, T=6, V=64, K=5, seed=0, temperature=1.0):
@@ -36,9 +37,9 @@ def test_token_stats_all_keys_agree(dtype, temperature):
     b = _batch(dtype, temperature=temperature)
     args = {k: b[k] for k in ("logits", "sampled_ids", "rollout_logprob", "rollout_topk_ids",
                                "rollout_topk_logprobs")}
-    ref = pdmask.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
+    ref = flat.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
                              temperature=temperature, impl="reference")
-    got = pdmask.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
+    got = flat.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
                              temperature=temperature, impl="torch", chunk_size=4)
     assert set(got) == set(ref)
     v = b["response_mask"]
@@ -61,7 +62,7 @@ def test_policy_loss_every_mode_value_grad_mask(mode, dtype):
     outs, grads = {}, {}
     for impl in ("reference", "torch", "auto"):
         x = b["logits"].clone().requires_grad_()
-        out = pdmask.policy_loss(
+        out = flat.policy_loss(
             x, b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"], b["rollout_topk_logprobs"],
             b["advantages"], b["response_mask"], mode=mode, rollout_logits=b["rollout_logits"] if full else None,
             delta_low=0.02, delta_high=0.02, impl=impl, batch_ddot=bd)
@@ -85,14 +86,14 @@ def test_trust_region_mask_impls_agree_and_mask_something():
     b = _batch(torch.float32, seed=5)
     args = (b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
             b["rollout_topk_logprobs"], b["advantages"], b["response_mask"])
-    ref = pdmask.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="reference")
-    got = pdmask.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="torch")
+    ref = flat.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="reference")
+    got = flat.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="torch")
     assert (~ref).any() and torch.equal(got, ref)
 
 
 def test_full_keys_come_from_reference_and_match():
     b = _batch(torch.float64)
-    st = pdmask.token_stats(b["logits"], b["sampled_ids"], b["rollout_logprob"], rollout_logits=b["rollout_logits"],
+    st = flat.token_stats(b["logits"], b["sampled_ids"], b["rollout_logprob"], rollout_logits=b["rollout_logits"],
                             impl="torch")
     assert {"full_kl", "full_tv", "ddot_full_kl", "ddot_full_tv"} <= set(st)
     assert len(FULL_KEYS) == 6
@@ -102,10 +103,10 @@ def test_impl_and_chunk_size_are_validated():
     b = _batch(torch.float32)
     args = (b["logits"], b["sampled_ids"], b["rollout_logprob"])
     with pytest.raises(ValueError, match="impl"):
-        pdmask.token_stats(*args, impl="cuda")
-    with pytest.raises(ValueError, match="chunk_size"):
-        pdmask.token_stats(*args, chunk_size=0, impl="torch")
+        flat.token_stats(*args, impl="cuda")
+    with pytest.raises(ValueError, match="chunk_rows"):
+        flat.token_stats(*args, chunk_size=0, impl="torch")
     with pytest.raises(ValueError, match="logits: a response row has no finite logit"):
         x = b["logits"].clone()
         x[1, 2] = float("-inf")
-        pdmask.token_stats(x, *args[1:], impl="torch")
+        flat.token_stats(x, *args[1:], impl="torch")

@@ -10,6 +10,7 @@ from _ops_cases import assert_agree, grad_tol, zmax_of
 import pdmask
 from pdmask import ops
 from pdmask.ops._reference import reduce_rows
+from tests import flat  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,7 +78,7 @@ def test_policy_loss_auto_on_cuda_matches_reference():
     res = {}
     for impl in ("reference", "auto"):
         xa = x.reshape(B, T, V).clone().requires_grad_()
-        out = pdmask.policy_loss(xa, *args, adv, mask, delta_low=0.02, delta_high=0.02, impl=impl)
+        out = flat.policy_loss(xa, *args, adv, mask, delta_low=0.02, delta_high=0.02, impl=impl)
         out.loss.backward()
         res[impl] = (out, xa.grad)
     (ro, rg), (ao, ag) = res["reference"], res["auto"]

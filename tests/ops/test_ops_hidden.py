@@ -68,7 +68,7 @@ def test_bad_inputs_name_the_argument():
     h, W = _hw(3, 4, 10, torch.float32)
     k = torch.zeros(3, dtype=torch.long)
     for kw, msg in [
-        (dict(hidden=h, weight=W[:, :3], sampled_ids=k), "weight: expected shape"),
+        (dict(hidden=h, weight=W[:, :3], sampled_ids=k), "weight: expected a floating-point"),
         (dict(hidden=h, weight=W.double(), sampled_ids=k), "weight: must have the dtype"),
         (dict(hidden=h[0], weight=W, sampled_ids=k), "hidden"),
         (dict(hidden=h, weight=W, sampled_ids=k + 10), "sampled_ids: ids must lie"),

@@ -12,6 +12,7 @@ from _ops_cases import AllocRecorder
 
 from pdmask import ops
 from pdmask.ops import _torch
+from tests import flat  # noqa: E402
 
 
 def _largest(fn):
@@ -78,9 +79,9 @@ def test_auto_never_imports_triton_on_cpu():
     # a fresh interpreter: the whole public path on CPU must not import triton
     code = ("import sys, torch, pdmask\n"
             "x = torch.randn(2, 3, 10, requires_grad=True)\n"
-            "out = pdmask.policy_loss(x, torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -2.0),"
-            " torch.zeros(2, 3, 1, dtype=torch.long), torch.full((2, 3, 1), -2.0), torch.ones(2),"
-            " torch.ones(2, 3, dtype=torch.bool))\n"
+            "r = pdmask.Rollout(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -2.0),"
+            " torch.zeros(2, 3, 1, dtype=torch.long), torch.full((2, 3, 1), -2.0), torch.ones(2, 3, dtype=torch.bool))\n"
+            "out = pdmask.policy_loss(x, r, torch.ones(2))\n"
             "out.loss.backward()\n"
             "assert 'triton' not in sys.modules, 'triton was imported'\n"
             "assert 'pdmask.ops._kernel' not in sys.modules\n"

@@ -13,6 +13,7 @@ from _ops_cases import KEYS, assert_agree, grad_tol, make_ids, make_logits, naiv
 import pdmask
 from pdmask import ops
 from pdmask.ops._reference import reduce_rows
+from tests import flat  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -179,7 +180,7 @@ def test_gradient_zero_on_nan_inf_padding_rows_of_the_loss(junk):
     grads = []
     for x0 in (z, zp):
         x = x0.to(DEV, copy=True).requires_grad_()
-        pdmask.policy_loss(x, *args, impl="triton").loss.backward()
+        flat.policy_loss(x, *args, impl="triton").loss.backward()
         grads.append(x.grad.cpu())
     assert torch.isfinite(grads[1]).all() and (grads[1][~mask] == 0).all()
     torch.testing.assert_close(grads[1], grads[0])
@@ -197,7 +198,7 @@ def test_policy_loss_through_the_kernel_matches_reference():
     res = {}
     for impl in ("reference", "triton"):
         x = z.to(DEV, torch.bfloat16, copy=True).requires_grad_()
-        out = pdmask.policy_loss(x, *args, delta_low=0.01, delta_high=0.01, impl=impl)
+        out = flat.policy_loss(x, *args, delta_low=0.01, delta_high=0.01, impl=impl)
         out.loss.backward()
         res[impl] = (out, x.grad)
     (ro, rg), (to, tg) = res["reference"], res["triton"]

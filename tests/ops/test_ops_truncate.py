@@ -9,9 +9,28 @@ import torch
 from _ops_cases import AllocRecorder, make_ids, make_logits
 
 from pdmask import ops
-from pdmask.ops import _reference, _truncate
+from pdmask.ops import _reference
 
 F64 = torch.float64
+
+
+def _truncation(kw: dict) -> dict:
+    """The flat ``sampling_*`` keywords of a rule as the ops' ``truncation=`` argument."""
+    kw = dict(kw)
+    rules = {k[9:]: kw.pop(k) for k in list(kw) if k.startswith("sampling_")}
+    if rules:
+        kw["truncation"] = ops.Sampling(**rules)
+    return kw
+
+
+def row_stats(*args, **kw):
+    return ops.row_stats(*args, **_truncation(kw))
+
+
+def hidden_row_stats(*args, **kw):
+    return ops.hidden_row_stats(*args, **_truncation(kw))
+
+
 RULES = [dict(sampling_top_k=5), dict(sampling_top_p=0.8), dict(sampling_min_p=0.1),
          dict(sampling_top_k=12, sampling_top_p=0.7, sampling_min_p=0.02), dict(sampling_top_p=0.95)]
 TRUNC = ("lse", "logp", "sum_p2", "entropy", "topk_logp", "kept_mass", "kept_size")
@@ -73,7 +92,7 @@ def test_renormalised_statistics_by_hand():
     # kept_mass pi(S) = .75; top-K ids [0, 3]: log(2/3) and -inf (outside S)
     z = torch.tensor([[.5, .25, .15, .1]], dtype=F64).log()
     for impl in ("torch", "reference"):
-        out = ops.row_stats(z, torch.tensor([1]), torch.tensor([[0, 3]]), sampling_top_p=0.7, impl=impl)
+        out = row_stats(z, torch.tensor([1]), torch.tensor([[0, 3]]), sampling_top_p=0.7, impl=impl)
         torch.testing.assert_close(out["logp"], torch.tensor([math.log(1 / 3)], dtype=F64))
         torch.testing.assert_close(out["sum_p2"], torch.tensor([5 / 9], dtype=F64))
         torch.testing.assert_close(out["entropy"], torch.tensor([-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))],
@@ -87,7 +106,7 @@ def test_renormalised_statistics_by_hand():
 def test_sampled_token_outside_the_rule_joins_the_set():
     # k = 3 (p .1) is outside top_p .7's {0, 1}: S = {0, 1, 3}, pi' = [.5, .25, .1] / .85
     z = torch.tensor([[.5, .25, .15, .1]], dtype=F64).log()
-    out = ops.row_stats(z, torch.tensor([3]), sampling_top_p=0.7, impl="torch")
+    out = row_stats(z, torch.tensor([3]), sampling_top_p=0.7, impl="torch")
     assert out["sampled_outside"].tolist() == [True] and out["kept_size"].tolist() == [3.0]
     torch.testing.assert_close(out["logp"], torch.tensor([math.log(.1 / .85)], dtype=F64))
 
@@ -99,8 +118,8 @@ def test_torch_path_matches_reference(rule, dtype, chunk_rows):
     N, V, K = 23, 97, 6
     z = make_logits(N, V, dtype, seed=5)
     k, tk = make_ids(N, V, K)
-    a = ops.row_stats(z, k, tk, temperature=0.8, impl="torch", chunk_rows=chunk_rows, **rule)
-    b = ops.row_stats(z, k, tk, temperature=0.8, impl="reference", **rule)
+    a = row_stats(z, k, tk, temperature=0.8, impl="torch", chunk_rows=chunk_rows, **rule)
+    b = row_stats(z, k, tk, temperature=0.8, impl="reference", **rule)
     assert set(a) == set(b) == set(TRUNC) | {"sampled_outside"}
     assert torch.equal(a["sampled_outside"], b["sampled_outside"]) and torch.equal(a["kept_size"], b["kept_size"])
     t = {"atol": 1e-12, "rtol": 1e-12} if dtype == F64 else {"atol": 2e-5, "rtol": 2e-5}
@@ -113,8 +132,8 @@ def test_engine_kept_mask_input():
     z = make_logits(N, V, F64, seed=2)
     k, tk = make_ids(N, V, 4)
     mask = torch.rand(N, V, generator=torch.Generator().manual_seed(0)) < 0.3
-    a = ops.row_stats(z, k, tk, kept_mask=mask, impl="torch", chunk_rows=4)
-    b = ops.row_stats(z, k, tk, kept_mask=mask, impl="reference")
+    a = row_stats(z, k, tk, kept_mask=mask, impl="torch", chunk_rows=4)
+    b = row_stats(z, k, tk, kept_mask=mask, impl="reference")
     for key in TRUNC:
         torch.testing.assert_close(a[key], b[key], msg=key)
     # the same numbers as a log-softmax over the mask plus the sampled token
@@ -130,7 +149,7 @@ def test_neg_inf_logits_and_padding_rows():
     z[3] = -math.inf  # an all -inf (padding) row
     k, tk = make_ids(9, 40, 3)
     z.requires_grad_()
-    out = ops.row_stats(z, k, tk, sampling_top_p=0.9, impl="torch")
+    out = row_stats(z, k, tk, sampling_top_p=0.9, impl="torch")
     rows = torch.arange(9) != 3
     for key in ("sum_p2", "entropy", "kept_mass"):
         assert torch.isfinite(out[key][rows]).all(), key
@@ -144,7 +163,7 @@ def test_gradcheck_float64(rule):
     z = make_logits(6, 19, F64, seed=4, scale=1.5).requires_grad_()
     k, _ = make_ids(6, 19, None)
     assert torch.autograd.gradcheck(
-        lambda x: ops.row_stats(x, k, temperature=0.9, impl="torch", chunk_rows=4, **rule)["logp"], (z,))
+        lambda x: row_stats(x, k, temperature=0.9, impl="torch", chunk_rows=4, **rule)["logp"], (z,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -153,7 +172,7 @@ def test_gradient_is_e_k_minus_renormalised_pi(dtype):
     z = make_logits(N, V, dtype, seed=8).requires_grad_()
     k, _ = make_ids(N, V, None)
     g = torch.randn(N, generator=torch.Generator().manual_seed(1))
-    (ops.row_stats(z, k, temperature=T, sampling_top_p=0.85, sampling_top_k=20, impl="torch")["logp"] * g).sum() \
+    (row_stats(z, k, temperature=T, sampling_top_p=0.85, sampling_top_k=20, impl="torch")["logp"] * g).sum() \
         .backward()
     assert z.grad.dtype == dtype
     y = z.detach().double() / T
@@ -172,15 +191,15 @@ def test_hidden_path_matches_logits_path():
     W = torch.randn(V, H, generator=g, dtype=F64) / 2
     k, tk = make_ids(N, V, K)
     for rule in RULES[:4]:
-        a = ops.hidden_row_stats(h, W, k, tk, temperature=0.8, chunk_rows=5, **rule)
-        b = ops.row_stats(h @ W.T, k, tk, temperature=0.8, impl="reference", **rule)
+        a = hidden_row_stats(h, W, k, tk, temperature=0.8, chunk_rows=5, **rule)
+        b = row_stats(h @ W.T, k, tk, temperature=0.8, impl="reference", **rule)
         assert torch.equal(a["sampled_outside"], b["sampled_outside"])
         for key in TRUNC:
             torch.testing.assert_close(a[key], b[key], msg=key)
     hh, WW = h[:5, :4].clone().requires_grad_(), W[:13, :4].clone().requires_grad_()
     k5 = k[:5] % 13
     assert torch.autograd.gradcheck(
-        lambda x, w: ops.hidden_row_stats(x, w, k5, temperature=0.8, chunk_rows=2, sampling_top_p=0.75)["logp"],
+        lambda x, w: hidden_row_stats(x, w, k5, temperature=0.8, chunk_rows=2, sampling_top_p=0.75)["logp"],
         (hh, WW))
 
 
@@ -190,7 +209,7 @@ def test_memory_never_a_float_copy_of_the_whole_logits():
     k, tk = make_ids(N, V, 8)
     rec = AllocRecorder()
     with rec:
-        out = ops.row_stats(z, k, tk, sampling_top_p=0.9, sampling_top_k=100, impl="torch", chunk_rows=rows)
+        out = row_stats(z, k, tk, sampling_top_p=0.9, sampling_top_k=100, impl="torch", chunk_rows=rows)
         out["logp"].sum().backward()
     big = [(n, s) for n, s in rec.sizes if s > rows * V]
     assert [s for _, s in big] == [N * V], big  # the gradient itself, in bf16
@@ -201,10 +220,10 @@ def test_bad_arguments():
     z = make_logits(3, 10, F64)
     k = torch.zeros(3, dtype=torch.long)
     for kw, msg in [
-        (dict(sampling_top_k=2.5), r"^sampling_top_k: expected an int"),
-        (dict(sampling_top_p=0.0), r"^sampling_top_p: expected a number in \(0, 1\]"),
-        (dict(sampling_top_p=1.5), r"^sampling_top_p: "),
-        (dict(sampling_min_p=-0.1), r"^sampling_min_p: expected a number in \[0, 1\]"),
+        (dict(sampling_top_k=2.5), r"^top_k: expected an int"),
+        (dict(sampling_top_p=0.0), r"^top_p: expected a number in \(0, 1\]"),
+        (dict(sampling_top_p=1.5), r"^top_p: "),
+        (dict(sampling_min_p=-0.1), r"^min_p: expected a number in \[0, 1\]"),
         (dict(kept_mask=torch.ones(3, 10)), r"^kept_mask: expected a bool tensor"),
         (dict(kept_mask=torch.ones(3, 9, dtype=torch.bool)), r"^kept_mask: expected shape \(3, 10\)"),
         (dict(kept_mask=torch.ones(3, 10, dtype=torch.bool), sampling_top_k=3), r"^kept_mask: give either"),
@@ -212,15 +231,15 @@ def test_bad_arguments():
         (dict(sampling_top_k=3, rollout_logits=z), r"^rollout_logits: "),
     ]:
         with pytest.raises(ValueError, match=msg):
-            ops.row_stats(z, k, **kw)
+            row_stats(z, k, **kw)
 
 
 def test_off_values_mean_no_truncation():
     z = make_logits(5, 30, F64)
     k, tk = make_ids(5, 30, 3)
-    a = ops.row_stats(z, k, tk, impl="torch")
-    b = ops.row_stats(z, k, tk, impl="torch", sampling_top_k=0, sampling_top_p=1.0, sampling_min_p=0.0)
+    a = row_stats(z, k, tk, impl="torch")
+    b = row_stats(z, k, tk, impl="torch", sampling_top_k=0, sampling_top_p=1.0, sampling_min_p=0.0)
     assert set(a) == set(b)
     for key in a:
         assert torch.equal(a[key], b[key])
-    assert _truncate.check_sampling(-1, 1, 0) is None
+    assert not ops.Sampling(top_k=-1, top_p=1, min_p=0).truncated and ops.Sampling(top_k=0) == ops.Sampling()

@@ -13,14 +13,9 @@ SMOKE = REPO / "configs" / "smoke.yaml"
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    """One SFT cache for the whole session (the smoke SFT base is trained once)."""
-    return tmp_path_factory.mktemp("sft-cache")
-
-
-@pytest.fixture(scope="session")
-def smoke_config():
-    return SMOKE
+def cache_dir(smoke_cache):
+    """The session's one SFT cache (tests/conftest.py)."""
+    return smoke_cache
 
 
 @pytest.fixture(scope="session")

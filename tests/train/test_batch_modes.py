@@ -7,9 +7,11 @@ import copy
 import pytest
 import torch
 
+import pdmask
+
 from pdmask.batchmask import batch_mask
 from pdmask.engine.hf import HFEngine, response_logits
-from pdmask.loss import policy_loss
+from tests.flat import policy_loss
 from pdmask.train.config import load_config, replace
 from pdmask.train.grpo import TIME_KEYS, train
 from pdmask.train.logging import read_jsonl
@@ -41,8 +43,7 @@ def setup():
 
 def _reference(model, opt, batch, adv, cfg, params):
     """batch_mask on its own forward (not shared), with the settings the mode implies."""
-    return batch_mask(model, batch.sequences, batch.attention_mask, batch.response_mask, batch.sampled_logprob,
-                      batch.topk_ids, batch.topk_logprobs, adv, params=params, optimizer=opt,
+    return batch_mask(model, batch.sequences, batch.attention_mask, batch.rollout, adv, params=params, optimizer=opt,
                       divergence="topk_tv" if cfg.mode.endswith("tv") else "topk_kl",
                       scope="all" if "-all-" in cfg.mode else "region", delta_low=cfg.delta_low,
                       delta_high=cfg.delta_high, temperature=cfg.temperature, is_cap=cfg.is_cap)
@@ -71,9 +72,8 @@ def test_the_loss_applies_batch_masks_mask_on_the_shared_forward(setup, mode, pa
     out.loss.backward()
     plain = copy.deepcopy(model0)
     logits = response_logits(plain, batch.sequences, batch.attention_mask, batch.prompt_len)
-    policy_loss(logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs, adv,
-                batch.response_mask, is_cap=cfg.is_cap, temperature=cfg.temperature,
-                **ref.loss_kwargs()).loss.backward()
+    pdmask.policy_loss(logits, batch.rollout, adv, corrections=pdmask.Corrections(is_cap=cfg.is_cap),
+                       sampling=pdmask.Sampling(cfg.temperature), **ref.loss_kwargs()).loss.backward()
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
@@ -91,9 +91,8 @@ def test_update_step_uses_the_optimizer_state_before_its_own_step(setup):
     ref = _reference(b, opt_b, batch, adv, cfg, "all")
     assert torch.equal(out.mask, ref.mask) and int(ref.metrics["num_masked"]) > 0
     logits = response_logits(b, batch.sequences, batch.attention_mask, batch.prompt_len)
-    policy_loss(logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs, adv,
-                batch.response_mask, is_cap=cfg.is_cap, temperature=cfg.temperature,
-                **ref.loss_kwargs()).loss.backward()
+    pdmask.policy_loss(logits, batch.rollout, adv, corrections=pdmask.Corrections(is_cap=cfg.is_cap),
+                       sampling=pdmask.Sampling(cfg.temperature), **ref.loss_kwargs()).loss.backward()
     torch.nn.utils.clip_grad_norm_(b.parameters(), cfg.grad_clip)
     opt_b.step()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):

@@ -10,7 +10,7 @@ import torch
 from pdmask.engine.hf import HFEngine
 from pdmask.engine.registry import build_engine
 from pdmask.ops import sampling_kept_mask
-from pdmask.train.config import correction_kwargs, load_config
+from pdmask.train.config import corrections, load_config
 from pdmask.train.grpo import compute_loss
 from pdmask.train.model import build_model
 
@@ -45,10 +45,10 @@ def test_hf_engine_reports_the_renormalised_distribution(model, trunc):
     m = b.response_mask
     k = b.response_ids
     assert S.gather(-1, k[..., None])[..., 0][m].all()  # every sampled token is in the kept set
-    torch.testing.assert_close(b.sampled_logprob[m], logmu.gather(-1, k[..., None])[..., 0][m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(b.rollout.sampled_logprob[m], logmu.gather(-1, k[..., None])[..., 0][m], atol=1e-4, rtol=0)
     # top-K of the processed distribution: entries beyond the kept set are -inf
-    inside = S.gather(-1, b.topk_ids)
-    assert torch.equal(torch.isfinite(b.topk_logprobs)[m], inside[m])
+    inside = S.gather(-1, b.rollout.topk_ids)
+    assert torch.equal(torch.isfinite(b.rollout.topk_logprobs)[m], inside[m])
     assert (~inside[m]).any()  # K = 20 exceeds the kept set somewhere: truncation is real
 
 
@@ -74,13 +74,13 @@ def test_corrections_reach_the_loss(model):
     for key in ("masked_frac_is", "masked_frac_rs_token_k3", "masked_frac_rs_seq_mean_k2", "masked_frac_opsm",
                 "masked_frac_correction"):
         assert key in out.metrics, key
-    assert correction_kwargs(cfg)["rejection"] == "token_k3,seq_mean_k2"
+    assert corrections(cfg).rejection == "token_k3,seq_mean_k2"
 
 
 def test_config_fields_and_errors():
     c = load_config(None, ["rejection=seq_mean_k1", "rejection_threshold=0.99_1.01", "is_level=null"])
-    assert c.is_level is None and correction_kwargs(c)["rejection_threshold"] == "0.99_1.01"
-    assert correction_kwargs(load_config(None, []))["rejection"] is None
+    assert c.is_level is None and corrections(c).rejection_threshold == "0.99_1.01"
+    assert corrections(load_config(None, [])).rejection is None
     for over, msg in [
         (["is_level=seq"], r"^is_level: unknown value"),
         (["rejection=token_k9", "rejection_threshold=1"], r"^rejection: unknown value 'token_k9'"),

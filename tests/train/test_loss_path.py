@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import pdmask
+
 from pdmask.engine.base import RolloutBatch
 from pdmask.engine.hf import HFEngine
 from pdmask.train.config import load_config
@@ -27,8 +29,10 @@ def setup():
 
 def _plain_rows(b: RolloutBatch, idx):
     ix = torch.tensor(idx)
-    return RolloutBatch(b.sequences[ix], b.attention_mask[ix], b.prompt_len, b.response_mask[ix],
-                        b.sampled_logprob[ix], b.topk_ids[ix], b.topk_logprobs[ix])
+    r = b.rollout
+    return RolloutBatch(b.sequences[ix], b.attention_mask[ix], b.prompt_len,
+                        pdmask.Rollout(r.sampled_ids[ix], r.sampled_logprob[ix], r.topk_ids[ix], r.topk_logprobs[ix],
+                                       r.response_mask[ix]))
 
 
 def test_select_trims_padding_without_changing_loss_or_grad(setup):

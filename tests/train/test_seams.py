@@ -65,7 +65,7 @@ def test_rollout_step_is_generate_rewards_advantages(parts):
     ro = rollout_step(eng, Tok(), prompts, answers, odd_count, group_size=G, max_new_tokens=9, seed=5,
                       std_norm=True, return_logits=True)
     b = ro.batch
-    assert b.sequences.shape[0] == len(prompts) * G and b.logits is not None
+    assert b.sequences.shape[0] == len(prompts) * G and b.rollout.logits is not None
     for i, p in enumerate(prompts):  # group i: G consecutive copies of prompt i
         for j in range(G):
             assert b.sequences[i * G + j, b.prompt_len - len(p):b.prompt_len].tolist() == p

@@ -207,9 +207,11 @@ def _rollout(rewards, G, T=3):
     B = r.numel()
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, -1] = False
-    batch = RolloutBatch(sequences=torch.zeros(B, T + 2, dtype=torch.long), attention_mask=torch.ones(B, T + 2),
-                         prompt_len=2, response_mask=mask, sampled_logprob=torch.zeros(B, T),
-                         topk_ids=torch.zeros(B, T, 1, dtype=torch.long), topk_logprobs=torch.zeros(B, T, 1))
+    from pdmask import Rollout
+
+    ro = Rollout(torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B, T, 1, dtype=torch.long),
+                 torch.zeros(B, T, 1), response_mask=mask)
+    batch = RolloutBatch(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2), 2, ro)
     return Rollout(batch, r, group_advantages(r, G), G)
 
 

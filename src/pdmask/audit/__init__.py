@@ -1,6 +1,6 @@
 """The direction audit: does a direction criterion predict the divergence change?
 
-METHOD.md section 5, issue 12. Pure functions over tensors (:mod:`.criteria`,
+METHOD.md section 5. Pure functions over tensors (:mod:`.criteria`,
 :mod:`.rates`, :mod:`.fidelity`, :mod:`.steps`), the step-free parameter-space
 instruments (:mod:`.instruments`), the leave-one-out batch step (:mod:`.loo`), the
 per-batch and per-seed runner (:mod:`.runner`), the tables computed from the per-token

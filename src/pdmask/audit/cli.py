@@ -13,6 +13,9 @@ from typing import List, Optional
 
 import typer
 
+from ..significance import DEFAULT_N_BOOT
+from .config import FIDELITY_KS_ARG
+
 HELP = ("Direction audit: does a direction criterion (ratio vs predictive Ddot) predict the "
         "divergence change of an update? Writes audit.json, audit.md, audit_tokens.npz and PNG plots.")
 
@@ -53,8 +56,8 @@ def audit_command(
     tie_tol: float = typer.Option(0.0, "--tie-tol", help="|dD| <= tie_tol counts as no change"),
     delta_sweep: str = typer.Option("", "--delta-sweep", help="larger deltas whose headline tables are recomputed "
                                                               "from the records (comma-separated)"),
-    fidelity_ks: str = typer.Option("1,2,5,10,20,50,100", "--fidelity-ks", help="K values of the fidelity sweep"),
-    bootstrap: int = typer.Option(10000, "--bootstrap", help="seed-cluster bootstrap resamples"),
+    fidelity_ks: str = typer.Option(FIDELITY_KS_ARG, "--fidelity-ks", help="K values of the fidelity sweep"),
+    bootstrap: int = typer.Option(DEFAULT_N_BOOT, "--bootstrap", help="seed-cluster bootstrap resamples"),
     jobs: int = typer.Option(1, "--jobs", help="worker processes (each uses `threads` torch threads)"),
     fresh: bool = typer.Option(False, "--fresh", help="discard seeds already in OUT/seeds and start over"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="write the PNG plots"),

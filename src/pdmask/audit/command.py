@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .config import FIDELITY_KS_ARG, default_delta
+
 #: trainer settings that do not change a seed's numbers (left out of the resume fingerprint)
 _NEUTRAL_TRAIN_KEYS = ("progress", "threads", "out_dir", "name", "tensorboard", "eval_every", "checkpoint_every",
                        "keep_checkpoints", "steps")
@@ -50,7 +52,7 @@ def _configs(a: dict):
     if config is None and a["model"] and is_run_dir(a["model"]):
         config = Path(a["model"]) / "config.yaml"  # the run's own model/task/engine/loss settings
     tcfg = load_config(config, over)
-    fam_default = 0.05 if a["divergence"].endswith("kl") else 0.15
+    fam_default = default_delta(a["divergence"])
     base = fam_default if a["delta"] is None else a["delta"]
     cfg = AuditConfig(
         divergence=a["divergence"], delta_low=base if a["delta_low"] is None else a["delta_low"],
@@ -62,7 +64,7 @@ def _configs(a: dict):
         instruments=tuple(x.strip() for x in a["instruments"].split(",") if x.strip()),
         isolated_step=a["isolated_step"], logit_step=a["logit_step"], tie_tol=a["tie_tol"], bootstrap=a["bootstrap"],
         delta_sweep=_floats("delta_sweep", a.get("delta_sweep", "")),
-        fidelity_ks=_ints("fidelity_ks", a.get("fidelity_ks", "1,2,5,10,20,50,100")),
+        fidelity_ks=_ints("fidelity_ks", a.get("fidelity_ks", FIDELITY_KS_ARG)),
     )
     return tcfg, cfg
 
@@ -283,7 +285,7 @@ def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
 def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperature, top_k, lag, divergence,
             delta, delta_low, delta_high, estimator, step_mode, optimizer, lr, sample_tokens, disagreement_tokens,
             instruments, isolated_step, logit_step, tie_tol, bootstrap, jobs, fresh, plots, progress,
-            delta_sweep="", fidelity_ks="1,2,5,10,20,50,100") -> dict:
+            delta_sweep="", fidelity_ks=FIDELITY_KS_ARG) -> dict:
     a = dict(locals())  # the arguments (first: nothing else is local yet)
     from rich.console import Console
 

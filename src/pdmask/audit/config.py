@@ -6,7 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from .._validate import ESTIMATORS, LOSS_AGGS
-from ..masks import MODES
+from ..masks import MODES, MaskMode
+from ..significance import DEFAULT_N_BOOT
 
 #: Divergences the audit can judge. The binary ones are excluded on purpose: their
 #: predictive direction equals the ratio direction exactly (METHOD.md section 4), so
@@ -21,6 +22,16 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 INSTRUMENTS = ("param", "precond", "own", "isolated", "isolated-head")
 #: K values of the estimator-fidelity sweep (capped at the vocabulary size).
 FIDELITY_KS = (1, 2, 5, 10, 20, 50, 100)
+#: The same K list as the command line writes it.
+FIDELITY_KS_ARG = ",".join(map(str, FIDELITY_KS))
+
+
+def default_delta(divergence: str) -> float:
+    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): its
+    ``pdm-*`` mode's. An unknown name gets :class:`pdmask.MaskMode`'s default; the config's
+    own check of ``divergence`` then refuses it with the list of valid names."""
+    mode = MODES.get("pdm-" + str(divergence).replace("_", "-"))
+    return MaskMode.default_delta if mode is None else mode.default_delta
 
 
 def _fail(name: str, msg: str) -> None:
@@ -86,7 +97,7 @@ class AuditConfig:
     tie_tol: float = 0.0
     fidelity_ks: tuple = field(default_factory=lambda: FIDELITY_KS)
     delta_sweep: tuple = ()
-    bootstrap: int = 10000
+    bootstrap: int = DEFAULT_N_BOOT
     bootstrap_seed: int = 0
 
     def __post_init__(self) -> None:

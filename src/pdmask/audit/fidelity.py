@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..keys import ESTIMATORS, ddot_key
+from ..ops import Sampling
+from ..rollout import Rollout
 from ..stats import token_stats
-from ..significance import pooled_ratio
+from ..significance import DEFAULT_N_BOOT, pooled_ratio
 
 
 def effective_ks(ks, vocab_size: int) -> list[int]:
@@ -46,13 +48,14 @@ def fidelity_counts(
     logm = torch.log_softmax(rollout_logits / temperature, -1)  # (B, T, V)
     tk_lp, tk_ids = logm.topk(max(ks), dim=-1)  # (B, T, Kmax), descending
     rlp = logm.gather(-1, sampled_ids[..., None].long()).squeeze(-1)
-    full = token_stats(logits.detach(), sampled_ids, rlp, response_mask=response_mask,
-                       rollout_logits=rollout_logits, temperature=temperature)
+    base = Rollout(sampled_ids, rlp, response_mask=response_mask)
+    sampling = Sampling(temperature)
+    full = token_stats(logits.detach(), base.replace(logits=rollout_logits), sampling=sampling)
     full_dir = torch.sign(full[ddot_key(f"full_{family}")])
     out = {name: {"K": {}, "sums": {}, "agg_vs_uniform": {}} for name in token_sets}
     for k in ks:
-        st = token_stats(logits.detach(), sampled_ids, rlp, tk_ids[..., :k].contiguous(),
-                         tk_lp[..., :k].contiguous(), response_mask=response_mask, temperature=temperature)
+        st = token_stats(logits.detach(), base.replace(topk_ids=tk_ids[..., :k].contiguous(),
+                                                       topk_logprobs=tk_lp[..., :k].contiguous()), sampling=sampling)
         signs = {e: torch.sign(st[ddot_key(f"topk_{family}", e)]) for e in ESTIMATORS}
         for name, S in token_sets.items():
             n = int(S.sum())
@@ -67,7 +70,7 @@ def fidelity_counts(
     return out
 
 
-def summarize_fidelity(per_seed: list[dict], *, n_boot: int = 10000, seed: int = 0) -> dict:
+def summarize_fidelity(per_seed: list[dict], *, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> dict:
     """Across seeds: sign agreement per (set, K, estimator), aggregated = uniform, and the
     KL/TV shares, each a pooled ratio (sum over seeds / sum over seeds) with its
     seed-cluster bootstrap interval (:func:`pdmask.significance.pooled_ratio` dicts)."""

@@ -1,4 +1,4 @@
-"""Step-free first-order instruments in parameter space (issue 12, items 2 and 3).
+"""Step-free first-order instruments in parameter space.
 
 For a token t of sequence b, with ``L_t = A_t log pi_t(k_t)`` (the token's own objective;
 its update is ``theta += eta w grad L_t``, ``w > 0`` the detached IS weight) and ``D_t``
@@ -109,7 +109,7 @@ def token_objectives(z: torch.Tensor, rb, b: int, t: int, divergence: str,
     The same formulas as :func:`pdmask.token_stats` (which returns D detached): the top-K
     divergences through :func:`pdmask.divergences.build_support` (S' = top-K of mu plus
     the sampled token, one tail bucket), the full ones over the vocabulary with mu =
-    ``softmax(rb.logits / T)`` (logs floored as there). Tested equal to ``token_stats``."""
+    ``softmax(rb.rollout.logits / T)`` (logs floored as there). Tested equal to ``token_stats``."""
     from .. import divergences as divs
 
     dt = z.dtype
@@ -117,13 +117,13 @@ def token_objectives(z: torch.Tensor, rb, b: int, t: int, divergence: str,
     k = rb.response_ids[b, t].long()
     logp = logq[k]
     if divergence.startswith("topk"):
-        ids = rb.topk_ids[b, t].long()
-        sup = divs.build_support(k[None], logp[None], rb.sampled_logprob[b, t].to(dt)[None], ids[None],
-                                 logq[ids][None], rb.topk_logprobs[b, t].to(dt)[None], (logq.exp() ** 2).sum()[None],
+        ids = rb.rollout.topk_ids[b, t].long()
+        sup = divs.build_support(k[None], logp[None], rb.rollout.sampled_logprob[b, t].to(dt)[None], ids[None],
+                                 logq[ids][None], rb.rollout.topk_logprobs[b, t].to(dt)[None], (logq.exp() ** 2).sum()[None],
                                  z.shape[-1])
         D = divs.topk_kl(sup) if divergence == "topk_kl" else divs.topk_tv(sup)
         return D[0], logp
-    logm = torch.log_softmax(rb.logits[b, t].to(dt) / temperature, -1)
+    logm = torch.log_softmax(rb.rollout.logits[b, t].to(dt) / temperature, -1)
     m = logm.exp()
     if divergence == "full_kl":
         kl = torch.where(m > 0, m * (divs.floor_log(logm) - divs.floor_log(logq)), torch.zeros_like(m))

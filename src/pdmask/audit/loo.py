@@ -16,7 +16,7 @@ backward are paid once. Naive equivalent (what the tests compare with): two call
 :func:`.steps.batch_step`, the second with ``A_s = 0`` for s in E (a zero advantage
 zeroes a token's term, its gradient and nothing else), in float64.
 
-The **own effect** of token t (issue 12, item 4) is
+The **own effect** of token t is
 ``dD_t(batch step) - dD_t(batch step without t) = D_t(theta') - D_t(theta'_{-t})``:
 the part of the realized change at t that masking t removes. It depends on the
 optimizer's state, so give ``optimizer_state`` of a run (``pdmask train`` run directory
@@ -51,13 +51,7 @@ F64 = torch.float64
 
 def rows_of(rb, rows: torch.Tensor):
     """The rollout batch restricted to ``rows`` (no column trimming: positions stay put)."""
-    from ..engine.base import RolloutBatch
-
-    return RolloutBatch(sequences=rb.sequences[rows], attention_mask=rb.attention_mask[rows],
-                        prompt_len=rb.prompt_len, response_mask=rb.response_mask[rows],
-                        sampled_logprob=rb.sampled_logprob[rows], topk_ids=rb.topk_ids[rows],
-                        topk_logprobs=rb.topk_logprobs[rows],
-                        logits=rb.logits[rows] if rb.logits is not None else None)
+    return rb[rows]
 
 
 def aggregation_weights(response_mask: torch.Tensor, loss_agg: str, dtype=F64) -> torch.Tensor:
@@ -66,10 +60,10 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg: str, dtype=F64) -
     :func:`pdmask.loss.aggregate` is linear in the per-token values with denominators
     that depend only on the response mask, so its gradient at any point is the weight.
     token-mean: ``1 / N``; seq-mean-token-mean: ``1 / (n_b * B')``; and so on."""
-    from ..loss import aggregate
+    from ..loss import Aggregation, aggregate
 
     x = torch.zeros(response_mask.shape, dtype=dtype, requires_grad=True)
-    (g,) = torch.autograd.grad(aggregate(x, response_mask, loss_agg), x)
+    (g,) = torch.autograd.grad(aggregate(x, response_mask, Aggregation(loss_agg)), x)
     return g
 
 

@@ -1,4 +1,4 @@
-"""Judging the batch-aware mask by the audit (issue 14, item 4): what one masked batch step
+"""Judging the batch-aware mask by the audit: what one masked batch step
 does to the out-of-region divergence ``Phi = sum_{s in O} D_s`` (O fixed at theta).
 
 Per seed, on the audit's rollout batch (:func:`pdmask.audit.source.build_source`, so the
@@ -52,9 +52,13 @@ import torch
 
 from ..batchmask import BatchMask
 from ..engine.hf import response_logits
-from ..loss import aggregate, broadcast_advantages, policy_loss
-from ..masks import divergence_region, get_mode, resolve_thresholds
+from ..corrections import Corrections
+from ..loss import Aggregation, aggregate, broadcast_advantages, policy_loss
+from ..masks import MODES, Thresholds, divergence_region, get_mode
+from ..significance import DEFAULT_N_BOOT
+from ..ops import Sampling
 from ..stats import token_stats
+from .config import default_delta
 
 F64 = torch.float64
 #: the criteria every seed measures (plus ``pdm-batch-lastN`` per ``batch_lasts``)
@@ -76,13 +80,13 @@ class PhiSettings:
     """
 
     divergence: str = "topk_kl"
-    delta_low: float = 0.05
-    delta_high: float = 0.05
+    delta_low: float = MODES["pdm-topk-kl"].default_delta
+    delta_high: float = MODES["pdm-topk-kl"].default_delta
     fractions: tuple = (0.1, 0.25, 0.5)
     loo_tokens: int = 48
     loo_outside: int = 16
     batch_lasts: tuple = (1,)
-    bootstrap: int = 10_000
+    bootstrap: int = DEFAULT_N_BOOT
     bootstrap_seed: int = 0
 
     def validate(self) -> "PhiSettings":
@@ -138,12 +142,7 @@ def top_m(score: torch.Tensor, region: torch.Tensor, m: int) -> torch.Tensor:
 
 def _rows(rb, rows: torch.Tensor):
     """The rollout batch restricted to ``rows`` (columns untouched, positions stay put)."""
-    from ..engine.base import RolloutBatch
-
-    return RolloutBatch(sequences=rb.sequences[rows], attention_mask=rb.attention_mask[rows],
-                        prompt_len=rb.prompt_len, response_mask=rb.response_mask[rows],
-                        sampled_logprob=rb.sampled_logprob[rows], topk_ids=rb.topk_ids[rows],
-                        topk_logprobs=rb.topk_logprobs[rows])
+    return rb[rows]
 
 
 class PhiStep:
@@ -159,7 +158,8 @@ class PhiStep:
     """
 
     def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
-                 delta_low: float = 0.05, delta_high: float = 0.05):
+                 delta_low: float = MODES["pdm-topk-kl"].default_delta,
+                 delta_high: float = MODES["pdm-topk-kl"].default_delta):
         from ..train.update import ADAMW_BETAS
 
         self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
@@ -173,12 +173,12 @@ class PhiStep:
         self.valid = valid
         logits = self._forward(self.model, torch.arange(valid.shape[0]))  # (B, T, V) float64
         self.stats = self._stats(logits.detach(), rb)
-        th = resolve_thresholds(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"), delta_low, delta_high, 0.2, 0.2)
+        th = Thresholds(delta_low, delta_high).resolve(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"))
         self.O = divergence_region(divergence)(self.stats, self.A, th) & valid & (self.A != 0)  # (B, T)
         self.rows_O = self.O.any(1).nonzero().squeeze(1)
         self.phi0 = float((self.stats[divergence] * self.O).sum())
         x = torch.zeros(valid.shape, dtype=F64, requires_grad=True)
-        (self.a,) = torch.autograd.grad(aggregate(x, valid, tcfg.loss_agg), x)  # (B, T) aggregation weights
+        (self.a,) = torch.autograd.grad(aggregate(x, valid, Aggregation(tcfg.loss_agg)), x)  # (B, T) aggregation weights
         per = self._token_loss(logits, rb, self.A)
         self.G = self._grad((self.a * per).sum())
         self._phi_full: float | None = None
@@ -189,15 +189,16 @@ class PhiStep:
         sub = _rows(self.rb, rows)
         return response_logits(model, sub.sequences, sub.attention_mask, sub.prompt_len)
 
+    def _rollout(self, rb):
+        r = rb.rollout
+        return r.replace(sampled_logprob=r.sampled_logprob.to(F64), topk_logprobs=r.topk_logprobs.to(F64), logits=None)
+
     def _stats(self, logits, rb):
-        return token_stats(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
-                           rb.topk_logprobs.to(F64), response_mask=rb.response_mask,
-                           temperature=self.tcfg.temperature)
+        return token_stats(logits, self._rollout(rb), sampling=Sampling(self.tcfg.temperature))
 
     def _token_loss(self, logits, rb, A):
-        return policy_loss(logits, rb.response_ids, rb.sampled_logprob.to(F64), rb.topk_ids,
-                           rb.topk_logprobs.to(F64), A, rb.response_mask, mode="none", is_cap=self.tcfg.is_cap,
-                           loss_agg=self.tcfg.loss_agg, temperature=self.tcfg.temperature,
+        return policy_loss(logits, self._rollout(rb), A, mode="none", corrections=Corrections(is_cap=self.tcfg.is_cap),
+                           aggregation=Aggregation(self.tcfg.loss_agg), sampling=Sampling(self.tcfg.temperature),
                            validate=False).token_loss  # (R, T)
 
     def _grad(self, scalar, retain: bool = False):
@@ -295,8 +296,7 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
         bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
                        delta_low=settings.delta_low, delta_high=settings.delta_high, scope="region",
                        temperature=ps.tcfg.temperature, is_cap=ps.tcfg.is_cap, all_tokens=True)
-        res = bm(rb.sequences, rb.attention_mask, rb.response_mask, rb.sampled_logprob.to(F64), rb.topk_ids,
-                 rb.topk_logprobs.to(F64), ps.A)
+        res = bm(rb.sequences, rb.attention_mask, ps._rollout(rb), ps.A)
         if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
             raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")
         out[name] = res.c.to(F64)
@@ -442,7 +442,7 @@ def markdown(doc: dict) -> str:
     from ..significance import format_p
 
     s, st = doc["summary"], doc["settings"]
-    lines = ["# Batch-aware mask: the audit of Phi (issue 14)", "",
+    lines = ["# Batch-aware mask: the audit of Phi", "",
              f"Command: `{doc['run'].get('command', '')}`", "",
              f"{s['n_seeds']} seeds ({s['n_seeds_with_O']} with out-of-region tokens), {s['n_tokens']:,} response "
              f"tokens, {s['n_out_of_region']:,} out of region ({st['divergence']} > {st['delta_high']:g}). "
@@ -590,7 +590,7 @@ def main(argv=None) -> None:
         loo_tokens: int = typer.Option(48, "--loo-tokens", help="leave-one-out tokens of O per seed"),
         loo_outside: int = typer.Option(16, "--loo-outside", help="leave-one-out tokens outside O per seed"),
         batch_lasts: str = typer.Option("1", "--batch-lasts", help="also score params=N for these N ('' none)"),
-        bootstrap: int = typer.Option(10_000, "--bootstrap", help="bootstrap resamples"),
+        bootstrap: int = typer.Option(DEFAULT_N_BOOT, "--bootstrap", help="bootstrap resamples"),
     ) -> None:
         from rich.console import Console
 
@@ -601,7 +601,7 @@ def main(argv=None) -> None:
             cfg_path = config if config is not None else (
                 Path(model) / "config.yaml" if model and is_run_dir(model) else None)
             tcfg = load_config(cfg_path, list(set_) + ["progress=false"])
-            d = (0.05 if divergence.endswith("kl") else 0.15) if delta is None else delta
+            d = default_delta(divergence) if delta is None else delta
             settings = PhiSettings(divergence=divergence, delta_low=d, delta_high=d,
                                    fractions=_floats(fractions, "fractions"), loo_tokens=loo_tokens,
                                    loo_outside=loo_outside, batch_lasts=tuple(int(x) for x in
@@ -618,7 +618,7 @@ def main(argv=None) -> None:
 
     app = typer.Typer(add_completion=False)
     app.command(help="Judge the batch-aware mask by Phi: sign accuracy against leave-one-out, dPhi at matched "
-                     "masked fraction (issue 14).")(command)
+                     "masked fraction.")(command)
     app(argv, standalone_mode=True) if argv is not None else app()
 
 

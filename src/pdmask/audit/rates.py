@@ -22,8 +22,6 @@ This module holds the per-set counting rules (also used for one seed's quick cou
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .criteria import PREDICTIVE, RATIO, outward
@@ -97,6 +95,3 @@ def rate(counts: dict[str, int], name: str) -> float | None:
     num, den = RATES[name]
     return counts[num] / counts[den] if counts[den] else None
 
-
-def fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"

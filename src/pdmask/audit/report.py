@@ -269,18 +269,6 @@ def rollouts_md(seeds: list[dict]) -> list[str]:
     return L + [""]
 
 
-def headline_table(doc: dict) -> list[str]:
-    """The README's table: counts, the batch step's rates next to the paper's, and the
-    summary of every step kind."""
-    cfg = doc["settings"]["audit"]
-    S = doc["summary"]
-    headline = predictive_name(cfg["estimator"])
-    seeds = S["per_seed"]
-    L = [f"{len(seeds)} seeds, {sum(s['n_out_of_region'] for s in seeds)} out-of-region tokens, "
-         f"{sum(s['n_disagreement'][headline] for s in seeds)} disagreement tokens.", ""]
-    return L + summary_table(S, headline)
-
-
 def fidelity_md(F: dict, cfg: dict) -> list[str]:
     from ..directions import ESTIMATORS
     L = ["## Estimator fidelity", "",

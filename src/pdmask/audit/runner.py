@@ -110,7 +110,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     start the batch steps' optimizer from this state (see :func:`.steps.batch_step`) and
     precondition with it. ``probe``: a :class:`Probe` shared across seeds (made here if None).
     """
-    if rb.logits is None:
+    if rb.rollout.logits is None:
         raise ValueError("rb: the rollout batch has no engine logits; generate with return_logits=True "
                          "(the audit needs mu's full logits for the oracle and the fidelity sweep)")
     valid = rb.response_mask.bool()  # (B, T)
@@ -144,9 +144,8 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     sel = (bt[:, 0], bt[:, 1])
     vals_o = {c: v[sel] for c, v in values.items()}  # criterion -> (n,)
     A_o = A[sel].double()  # (n,)
-    dD_logit = logit_step_changes(
-        logits0[sel], rb.response_ids[sel], rb.sampled_logprob[sel], rb.topk_ids[sel], rb.topk_logprobs[sel],
-        rb.logits[sel], A_o, divergence=div, step=cfg.logit_step, temperature=T)  # (n,)
+    dD_logit = logit_step_changes(logits0[sel], rb.rollout[sel], A_o, divergence=div, step=cfg.logit_step,
+                                  temperature=T)  # (n,)
     clock["logit"] = time.perf_counter() - t1
 
     # 4. per-token instruments on a uniform sample of O + the headline disagreement tokens
@@ -161,7 +160,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
 
     # 5. estimator fidelity on the response tokens and on O
     t4 = time.perf_counter()
-    fid = fidelity_counts(logits0, rb.response_ids, rb.logits, valid, {"response": active, "out_of_region": region},
+    fid = fidelity_counts(logits0, rb.response_ids, rb.rollout.logits, valid, {"response": active, "out_of_region": region},
                           family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
     clock["fidelity"] = time.perf_counter() - t4
 

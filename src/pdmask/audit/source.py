@@ -126,7 +126,7 @@ def rollout_shape(ro, eos_id: int) -> dict:
     b = ro.batch
     m = b.response_mask.bool()
     ended = ((b.response_ids == eos_id) & m).any(1)  # (B,)
-    tail = (1.0 - b.topk_logprobs.double().exp().sum(-1)).clamp_min(0.0)  # (B, T)
+    tail = (1.0 - b.rollout.topk_logprobs.double().exp().sum(-1)).clamp_min(0.0)  # (B, T)
     return {"finished_frac": float(ended.float().mean()),
             "tail_beyond_topk": float(tail[m].mean()) if bool(m.any()) else 0.0}
 

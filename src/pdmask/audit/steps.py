@@ -28,7 +28,11 @@ from typing import Callable
 
 import torch
 
-from ..loss import PolicyLossOutput, policy_loss
+from ..corrections import Corrections
+from ..loss import Aggregation, PolicyLossOutput, policy_loss
+from ..masks import Thresholds
+from ..ops import Sampling
+from ..rollout import Rollout
 from ..stats import token_stats
 from .config import AuditConfig
 
@@ -75,10 +79,7 @@ def make_optimizer(params, cfg: AuditConfig) -> torch.optim.Optimizer:
 
 def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: float) -> dict:
     """:func:`pdmask.token_stats` of ``logits`` against the batch's rollout view (top-K + full logits)."""
-    return token_stats(
-        logits, rb.response_ids[rows], rb.sampled_logprob[rows], rb.topk_ids[rows], rb.topk_logprobs[rows],
-        response_mask=rb.response_mask[rows], rollout_logits=rb.logits[rows], temperature=temperature,
-    )
+    return token_stats(logits, rb.rollout[rows], sampling=Sampling(temperature))
 
 
 def step_loss(logits: torch.Tensor, rb, advantages: torch.Tensor, cfg: AuditConfig) -> PolicyLossOutput:
@@ -88,10 +89,10 @@ def step_loss(logits: torch.Tensor, rb, advantages: torch.Tensor, cfg: AuditConf
     depends on its own position only (the step modes are per-token), so a slice of rows
     gives the same terms as the whole batch."""
     return policy_loss(
-        logits, rb.response_ids, rb.sampled_logprob, rb.topk_ids, rb.topk_logprobs, advantages,
-        rb.response_mask, mode=cfg.step_mode, estimator=cfg.estimator, delta_low=cfg.delta_low,
-        delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high, is_cap=cfg.is_cap,
-        loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=rb.logits,
+        logits, rb.rollout, advantages, mode=cfg.step_mode, estimator=cfg.estimator,
+        thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high),
+        corrections=Corrections(is_cap=cfg.is_cap), aggregation=Aggregation(cfg.loss_agg),
+        sampling=Sampling(cfg.temperature),
     )
 
 
@@ -198,16 +199,16 @@ def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advanta
 
 
 @torch.no_grad()
-def logit_step_changes(logits: torch.Tensor, sampled_ids: torch.Tensor, rollout_logprob: torch.Tensor,
-                       topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, rollout_logits: torch.Tensor,
-                       advantages: torch.Tensor, *, divergence: str, step: float,
-                       temperature: float = 1.0) -> torch.Tensor:
+def logit_step_changes(logits: torch.Tensor, rollout: Rollout, advantages: torch.Tensor, *, divergence: str,
+                       step: float, temperature: float = 1.0) -> torch.Tensor:
     """Realized ``dD`` (N,) of the step ``z -> z + eta sign(A) (e_k - pi) / |e_k - pi|`` per row, in float64.
 
     ``z = logits / T``; rows are independent positions (N, V). To first order
     ``dD = eta sign(A) Ddot / |e_k - pi|``, so its sign is the predictive direction.
+    ``rollout``: (N,) rows with the top-K and the rollout's full ``logits`` (N, V).
     """
     f64 = torch.float64
+    sampled_ids, rollout_logits = rollout.sampled_ids, rollout.logits
     if logits.shape[0] == 0:  # no token to step (token_stats needs at least one row)
         return torch.zeros(0, dtype=f64)
     z = logits.to(f64) / temperature  # (N, V)
@@ -219,7 +220,8 @@ def logit_step_changes(logits: torch.Tensor, sampled_ids: torch.Tensor, rollout_
     mu_z = rollout_logits.to(f64) / temperature
 
     def D(zz):
-        return token_stats(zz, sampled_ids, rollout_logprob.to(f64), topk_ids, topk_logprobs.to(f64),
-                           rollout_logits=mu_z)[divergence]
+        r = rollout.replace(sampled_logprob=rollout.sampled_logprob.to(f64),
+                            topk_logprobs=rollout.topk_logprobs.to(f64), logits=mu_z)
+        return token_stats(zz, r)[divergence]
 
     return D(z2) - D(z)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..significance import binomial_test, mcnemar_exact, paired_ratio_difference, pooled_ratio
+from ..significance import DEFAULT_N_BOOT, binomial_test, mcnemar_exact, paired_ratio_difference, pooled_ratio
 from .criteria import CRITERIA, PREDICTIVE, RATIO
 from .rates import RATES
 
@@ -106,7 +106,7 @@ def _discordant(rec, value, token_set, p, tie_tol):
 
 
 def set_table(rec: dict, value: np.ndarray, token_set: np.ndarray, criteria, seeds: np.ndarray, *,
-              tie_tol: float = 0.0, n_boot: int = 10_000, boot_seed: int = 0, is_disagreement: bool = False) -> dict:
+              tie_tol: float = 0.0, n_boot: int = DEFAULT_N_BOOT, boot_seed: int = 0, is_disagreement: bool = False) -> dict:
     """Pooled rates (with cluster bootstrap and the per-seed mean) of every criterion on
     one set, and each predictive criterion against the ratio (pooled difference with the
     paired bootstrap, McNemar; on a disagreement set the binomial sign test)."""
@@ -153,7 +153,7 @@ def group_shares(rec: dict, token_set: np.ndarray) -> dict:
             "head_sign_equals_total": float(same.mean()) if S.any() else None}
 
 
-def tables(rec: dict, seeds, *, headline: str = "pred-exact", tie_tol: float = 0.0, n_boot: int = 10_000,
+def tables(rec: dict, seeds, *, headline: str = "pred-exact", tie_tol: float = 0.0, n_boot: int = DEFAULT_N_BOOT,
            boot_seed: int = 0) -> dict:
     """Every rate table from the records: ``{kind: {set: set_table}}`` for the kinds whose
     column is present and measured on at least one token, plus ``group_shares``.

@@ -1,4 +1,4 @@
-"""The batch-aware predictive mask (issue 14; docs/batch_mask.md).
+"""The batch-aware predictive mask (docs/batch_mask.md).
 
 A per-token direction test asks what a token's update does to its own divergence. This
 one asks what it does to the out-of-region divergence of the whole batch,

@@ -1,4 +1,4 @@
-"""The batch-aware predictive mask (issue 14): :class:`BatchMask` and :func:`batch_mask`.
+"""The batch-aware predictive mask: :class:`BatchMask` and :func:`batch_mask`.
 
 With ``O`` the out-of-region tokens (the core's proximity test on the model's logits),
 ``Phi(theta) = sum_{s in O} D_s(theta)`` and ``P`` the optimizer's preconditioner
@@ -31,9 +31,10 @@ import torch
 from .._validate import check_choice, check_positive, prepare
 from ..keys import ESTIMATORS, ddot_key
 from ..loss import broadcast_advantages
-from ..masks import divergence_region, get_mode, resolve_thresholds
-from ..ops import chunk_rows_for
-from ..stats import token_stats
+from ..masks import Thresholds, divergence_region, get_mode
+from ..ops import Compute, Sampling, chunk_rows_for
+from ..rollout import Rollout
+from ..stats import MAX_LOG_RATIO, token_stats
 from . import directional as dirl
 from . import precondition as pre
 from .params import decoder_parts, select_params
@@ -42,7 +43,6 @@ from .top import TopCapture, jvp_top_logprob
 
 SCOPES = ("region", "all")
 METHODS = ("auto", "jvp", "double-backward")
-_MAX_LOG_W = 50.0  # as pdmask.loss: the largest log IS weight when is_cap is inf
 
 
 @dataclass
@@ -71,12 +71,13 @@ class BatchMaskOutput:
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
-        return {"mode": self.mode, "batch_ddot": self.ddot, "delta_low": self.delta_low,
-                "delta_high": self.delta_high}
+        return {"mode": self.mode, "batch_ddot": self.ddot,
+                "thresholds": Thresholds(delta_low=self.delta_low, delta_high=self.delta_high)}
 
 
 def _check_layout(input_ids, attention_mask, response_mask, validate: bool) -> int:
-    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask), ("response_mask", response_mask)):
+    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                    ("rollout.response_mask", response_mask)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D torch.Tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
@@ -87,10 +88,10 @@ def _check_layout(input_ids, attention_mask, response_mask, validate: bool) -> i
         raise ValueError(f"attention_mask: expected shape {(B, L)} (same as input_ids), got {tuple(attention_mask.shape)}")
     T = response_mask.shape[1]
     if response_mask.shape[0] != B or not 1 <= T < L:
-        raise ValueError(f"response_mask: expected shape ({B}, T) with 1 <= T < {L} (the response is the last T "
+        raise ValueError(f"rollout.response_mask: expected shape ({B}, T) with 1 <= T < {L} (the response is the last T "
                          f"columns of input_ids, after at least one context token), got {tuple(response_mask.shape)}")
     if validate and bool((response_mask.bool() & ~attention_mask[:, L - T:].bool()).any()):
-        raise ValueError("response_mask: marks a response token that attention_mask masks out")
+        raise ValueError("rollout.response_mask: marks a response token that attention_mask masks out")
     return T
 
 
@@ -140,7 +141,7 @@ class BatchMask:
         pre.check(optimizer, self.subset.params, [ns[0] for ns in self.subset.names])
         self.divergence, self.estimator, self.scope, self.method = divergence, estimator, scope, method
         self.mode = f"pdm-batch-{'all-' if scope == 'all' else ''}{divergence.replace('_', '-')}"
-        th = resolve_thresholds(get_mode(self.mode), delta_low, delta_high, 0.2, 0.2)
+        th = Thresholds(delta_low, delta_high).resolve(get_mode(self.mode))
         self.thresholds, self.delta_low, self.delta_high = th, th.delta_low, th.delta_high
         self.temperature, self.is_cap, self.chunk_size = float(temperature), is_cap, chunk_size
         self.all_tokens = all_tokens
@@ -151,8 +152,7 @@ class BatchMask:
             self.depth_share = len(self.subset.top.blocks) / len(blocks)
 
     # ------------------------------------------------------------------ public
-    def __call__(self, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
-                 rollout_topk_logprobs, advantages, *, validate: bool = True,
+    def __call__(self, input_ids, attention_mask, rollout: Rollout, advantages, *, validate: bool = True,
                  share_forward: bool = False) -> BatchMaskOutput:
         """The mask of one batch (see :func:`batch_mask` for the arguments).
 
@@ -162,17 +162,22 @@ class BatchMask:
         one model forward::
 
             out = bm(..., share_forward=True)
-            loss = policy_loss(out.logits, ..., **out.loss_kwargs()).loss
+            loss = policy_loss(out.logits, rollout, A, **out.loss_kwargs()).loss
             loss.backward()          # the ordinary gradient, through the same forward
 
         The mask and ``ddot`` are the same as without it (tested)."""
-        T = _check_layout(input_ids, attention_mask, response_mask, validate)
-        if rollout_topk_ids is None or rollout_topk_logprobs is None:
-            raise ValueError(f"rollout_topk_ids: the batch mask needs the rollout top-K ids and log-probs "
+        if not isinstance(rollout, Rollout):
+            raise ValueError(f"rollout: must be a pdmask.Rollout, got {type(rollout).__name__}")
+        if rollout.response_mask is None:
+            raise ValueError("rollout.response_mask: the batch mask needs it (the response is the last T columns "
+                             "of input_ids)")
+        T = _check_layout(input_ids, attention_mask, rollout.response_mask, validate)
+        if rollout.topk_ids is None:
+            raise ValueError(f"rollout.topk_ids: the batch mask needs the rollout top-K ids and log-probs "
                              f"(divergence {self.divergence!r})")
         ids = input_ids[:, input_ids.shape[1] - T:]
-        data = (input_ids, attention_mask, response_mask.bool(), ids, rollout_logprob, rollout_topk_ids,
-                rollout_topk_logprobs, advantages, validate, share_forward)
+        data = (input_ids, attention_mask, rollout.replace(sampled_ids=ids, response_mask=rollout.response_mask.bool()),
+                advantages, validate, share_forward)
         if self.method != "auto":
             return self._run(self.method, *data)
         try:
@@ -186,9 +191,9 @@ class BatchMask:
             return self._run("double-backward", *data)
 
     # ------------------------------------------------------------------ steps
-    def _run(self, method, input_ids, attention_mask, rmask, ids, rollout_logprob, topk_ids, topk_lp,
-             advantages, validate, share) -> BatchMaskOutput:
+    def _run(self, method, input_ids, attention_mask, rollout, advantages, validate, share) -> BatchMaskOutput:
         sub, Tmp = self.subset, self.temperature
+        ids = rollout.sampled_ids
         T = ids.shape[1]
         # shared: views of the live parameters (the loss's backward goes through them);
         # otherwise detached leaves, so nothing reaches the model's .grad
@@ -202,8 +207,8 @@ class BatchMask:
             finally:
                 if capture is not None:
                     capture.remove()
-            st = token_stats(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, response_mask=rmask,
-                             temperature=Tmp, chunk_size=self.chunk_size, validate=validate)
+            st = token_stats(logits.detach(), rollout, sampling=Sampling(temperature=Tmp),
+                             compute=Compute(chunk_rows=self.chunk_size), validate=validate)
             valid = st["valid"]
             adv = broadcast_advantages(advantages, tuple(ids.shape)).to(st["log_ratio"].dtype)
             if validate and bool(torch.isnan(adv[valid]).any()):
@@ -213,7 +218,7 @@ class BatchMask:
             weight = out.to(st[self.divergence].dtype)
             phi_value = (st[self.divergence] * weight).sum()
             rows = self._rows(out)
-            batch = (rollout_logprob, topk_ids, topk_lp, rmask)
+            batch = rollout
             if rows is None:  # every sequence, on the forward above
                 v, ddot, method = self._direction(method, leaves, logits, capture, input_ids, attention_mask, ids,
                                                   batch, weight, phi_value, valid, retain=share)
@@ -230,7 +235,7 @@ class BatchMask:
                         if cap is not None:
                             cap.remove()
                     v, d, method = self._direction(method, own, lg, cap, input_ids[rows], attention_mask[rows],
-                                                   ids[rows], tuple(x[rows] for x in batch), weight[rows],
+                                                   ids[rows], batch[rows], weight[rows],
                                                    phi_value, valid[rows], retain=False)
                     ddot[rows] = d.to(ddot.dtype)
                     del lg
@@ -263,11 +268,10 @@ class BatchMask:
                    phi_value, valid, *, retain: bool):
         """``v = P grad Phi`` and ``ddot = J v`` (R, T) from a forward's ``logits`` over ``leaves``."""
         sub, Tmp = self.subset, self.temperature
-        rollout_logprob, topk_ids, topk_lp, rmask = batch
-        b = prepare(logits.detach(), ids, rollout_logprob, topk_ids, topk_lp, rmask, validate=False)
+        b = prepare(logits.detach(), batch, validate=False)
         phi = out_of_region_divergence(
             logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
-            b.rollout_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
+            b.sampled_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
             chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
         grads = torch.autograd.grad(phi, leaves, retain_graph=retain or method == "double-backward",
                                     allow_unused=True)
@@ -286,7 +290,7 @@ class BatchMask:
 
     def _decide(self, st, adv, out, ddot, phi_value, v, method) -> BatchMaskOutput:
         valid = st["valid"]
-        max_log_w = min(math.log(self.is_cap), _MAX_LOG_W) if math.isfinite(self.is_cap) else _MAX_LOG_W
+        max_log_w = min(math.log(self.is_cap), MAX_LOG_RATIO) if math.isfinite(self.is_cap) else MAX_LOG_RATIO
         w = st["log_ratio"].clamp(max=max_log_w).exp()
         c = adv * w * ddot
         outward = adv * ddot > 0
@@ -314,8 +318,7 @@ class BatchMask:
                                self.delta_high, method)
 
 
-def batch_mask(model, input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids,
-               rollout_topk_logprobs, advantages, *, params="all", optimizer=None, divergence: str = "topk_kl",
+def batch_mask(model, input_ids, attention_mask, rollout: Rollout, advantages, *, params="all", optimizer=None, divergence: str = "topk_kl",
                estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
                scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
                chunk_size: int | None = None, validate: bool = True, all_tokens: bool = False) -> BatchMaskOutput:
@@ -326,17 +329,17 @@ def batch_mask(model, input_ids, attention_mask, response_mask, rollout_logprob,
         input_ids: (B, L) int: left-padded context + right-padded response; the response
             is the last T columns, and its tokens are the sampled ids.
         attention_mask: (B, L) real tokens.
-        response_mask: (B, T) response tokens to score.
-        rollout_logprob: (B, T) ``log mu_k`` of the sampled tokens (engine, at ``temperature``).
-        rollout_topk_ids, rollout_topk_logprobs: (B, T, K) the engine's top-K of mu.
+        rollout: :class:`pdmask.Rollout`: ``response_mask`` (B, T) the response tokens to
+            score, ``sampled_logprob`` (B, T) ``log mu_k`` (engine, at ``temperature``),
+            ``topk_ids`` / ``topk_logprobs`` (B, T, K) the engine's top-K of mu; its
+            ``sampled_ids`` are replaced by the last T columns of ``input_ids``.
         advantages: (B, T) or (B,).
         validate: check inputs (host syncs); off on a trusted hot path.
 
-    Returns :class:`BatchMaskOutput`; ``policy_loss(logits, ..., **out.loss_kwargs())``
+    Returns :class:`BatchMaskOutput`; ``policy_loss(logits, rollout, A, **out.loss_kwargs())``
     applies the mask (same logits, i.e. the same parameters).
     """
     bm = BatchMask(model, params=params, optimizer=optimizer, divergence=divergence, estimator=estimator,
                    delta_low=delta_low, delta_high=delta_high, scope=scope, method=method,
                    temperature=temperature, is_cap=is_cap, chunk_size=chunk_size, all_tokens=all_tokens)
-    return bm(input_ids, attention_mask, response_mask, rollout_logprob, rollout_topk_ids, rollout_topk_logprobs,
-              advantages, validate=validate)
+    return bm(input_ids, attention_mask, rollout, advantages, validate=validate)

@@ -37,7 +37,7 @@ PHI_DIVERGENCES = ("topk_kl", "topk_tv")
 def divergence_grad_rows(
     logits: torch.Tensor,  # (c, V) raw logits of some rows
     sampled_ids: torch.Tensor,  # (c,)
-    rollout_logprob: torch.Tensor,  # (c,)
+    sampled_logprob: torch.Tensor,  # (c,)
     topk_ids: torch.Tensor,  # (c, K)
     topk_logprobs: torch.Tensor,  # (c, K)
     *,
@@ -50,7 +50,7 @@ def divergence_grad_rows(
     p = logq.exp()
     logp = logq.gather(1, sampled_ids[:, None]).squeeze(1)
     # sum_p2 only feeds the Ddot estimators (tail_p2), never D: a placeholder is enough
-    sup = build_support(sampled_ids, logp, rollout_logprob.to(logq.dtype), topk_ids, logq.gather(1, topk_ids),
+    sup = build_support(sampled_ids, logp, sampled_logprob.to(logq.dtype), topk_ids, logq.gather(1, topk_ids),
                         topk_logprobs.to(logq.dtype), torch.zeros_like(logp), V)
     cols = torch.cat([topk_ids, sampled_ids[:, None]], 1)  # (c, K+1) ids of S' (last column: k if extra)
     in_support = torch.zeros_like(p, dtype=torch.bool).scatter_(1, cols, True)  # k is always in S'
@@ -82,9 +82,9 @@ class OutOfRegionDivergence(torch.autograd.Function):
     in the (N, V) logits is :func:`divergence_grad_rows`, chunked."""
 
     @staticmethod
-    def forward(ctx, logits, value, weight, sampled_ids, rollout_logprob, topk_ids, topk_logprobs,
+    def forward(ctx, logits, value, weight, sampled_ids, sampled_logprob, topk_ids, topk_logprobs,
                 divergence, temperature, chunk_rows):
-        ctx.save_for_backward(logits, weight, sampled_ids, rollout_logprob, topk_ids, topk_logprobs)
+        ctx.save_for_backward(logits, weight, sampled_ids, sampled_logprob, topk_ids, topk_logprobs)
         ctx.divergence, ctx.temperature, ctx.chunk_rows = divergence, temperature, chunk_rows
         return value.detach().clone()
 
@@ -100,8 +100,8 @@ class OutOfRegionDivergence(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None, None
 
 
-def out_of_region_divergence(logits, value, weight, sampled_ids, rollout_logprob, topk_ids, topk_logprobs, *,
+def out_of_region_divergence(logits, value, weight, sampled_ids, sampled_logprob, topk_ids, topk_logprobs, *,
                              divergence: str, temperature: float, chunk_rows: int) -> torch.Tensor:
     """Differentiable ``Phi`` (a scalar) on flat (N, V) logits; ``value`` is its precomputed value."""
-    return OutOfRegionDivergence.apply(logits, value, weight, sampled_ids, rollout_logprob, topk_ids,
+    return OutOfRegionDivergence.apply(logits, value, weight, sampled_ids, sampled_logprob, topk_ids,
                                        topk_logprobs, divergence, temperature, chunk_rows)

@@ -8,8 +8,8 @@ sampled token's log-prob and the top-K ids/log-probs of the *sampling distributi
 
 Layout conventions of :class:`RolloutBatch` (B sequences, P prompt slots, T response slots):
 prompts are left-padded to P, responses right-padded to T, so ``sequences[:, P:]`` are
-the response tokens and ``response_mask`` marks the real ones (the EOS token, when
-generated, is a real response token).
+the response tokens (``rollout.sampled_ids``) and ``rollout.response_mask`` marks the
+real ones (the EOS token, when generated, is a real response token).
 """
 
 from __future__ import annotations
@@ -19,23 +19,34 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rollout import Rollout
+
 
 @dataclass
 class RolloutBatch:
+    """Generated sequences and the engine's :class:`pdmask.Rollout` of their responses.
+
+    ``rollout`` holds ``sampled_ids`` (= ``sequences[:, P:]``), ``sampled_logprob`` (B, T)
+    float32 ``log mu_k``, ``topk_ids`` / ``topk_logprobs`` (B, T, K) of the sampling
+    distribution, ``response_mask`` (B, T) bool and, when requested (oracle path),
+    ``logits`` (B, T, V) float32 raw engine logits; pass it to the core as it is."""
+
     sequences: torch.Tensor  # (B, P + T) int64: left-padded prompt + right-padded response
     attention_mask: torch.Tensor  # (B, P + T) bool: real tokens
     prompt_len: int  # P
-    response_mask: torch.Tensor  # (B, T) bool
-    sampled_logprob: torch.Tensor  # (B, T) float32: log mu_k of each sampled token
-    topk_ids: torch.Tensor  # (B, T, K) int64: engine top-K ids of the sampling distribution
-    topk_logprobs: torch.Tensor  # (B, T, K) float32: their log-probs (descending)
-    #: (B, T, V) float32 raw engine logits (before temperature) at the response positions,
-    #: only when requested (oracle path); pass as ``rollout_logits`` to the core library.
-    logits: torch.Tensor | None = None
+    rollout: Rollout
 
     @property
     def response_ids(self) -> torch.Tensor:  # (B, T)
         return self.sequences[:, self.prompt_len:]
+
+    @property
+    def response_mask(self) -> torch.Tensor:  # (B, T) bool
+        return self.rollout.response_mask
+
+    def __getitem__(self, rows) -> "RolloutBatch":
+        """The sequences ``rows`` (an index tensor or slice of dim 0)."""
+        return RolloutBatch(self.sequences[rows], self.attention_mask[rows], self.prompt_len, self.rollout[rows])
 
 
 class RolloutEngine(ABC):

@@ -31,7 +31,8 @@ import inspect
 
 import torch
 
-from ..ops import check_sampling, sampling_kept_mask
+from ..ops import Sampling, sampling_kept_mask
+from ..rollout import Rollout
 from .base import RolloutBatch, RolloutEngine
 from .precision import apply_precision, check_precision, compute_dtype
 
@@ -103,7 +104,8 @@ def sample(
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0, got {temperature}")
-    trunc = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
+    trunc = Sampling(top_k=sampling_top_k, top_p=sampling_top_p, min_p=sampling_min_p)
+    trunc = trunc if trunc.truncated else None
     dev = next(model.parameters()).device
     V = model.get_output_embeddings().weight.shape[0]
     K = min(top_k_logprobs, V)
@@ -162,11 +164,14 @@ def sample(
         sequences=torch.cat([ids, resp], 1),
         attention_mask=torch.cat([attn[:, :P], rmask], 1),
         prompt_len=P,
-        response_mask=rmask,
-        sampled_logprob=lp,
-        topk_ids=torch.stack(tk_ids, 1),  # (B, T, K)
-        topk_logprobs=torch.stack(tk_lps, 1),  # (B, T, K)
-        logits=torch.stack(raw, 1) if return_logits else None,  # (B, T, V)
+        rollout=Rollout(
+            sampled_ids=resp,
+            sampled_logprob=lp,
+            topk_ids=torch.stack(tk_ids, 1),  # (B, T, K)
+            topk_logprobs=torch.stack(tk_lps, 1),  # (B, T, K)
+            response_mask=rmask,
+            logits=torch.stack(raw, 1) if return_logits else None,  # (B, T, V)
+        ),
     )
 
 
@@ -208,7 +213,7 @@ class HFEngine(RolloutEngine):
                  share_prefill: bool = False):
         check_precision(precision)
         self.share_prefill = bool(share_prefill)
-        check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
+        Sampling(top_k=sampling_top_k, top_p=sampling_top_p, min_p=sampling_min_p)  # checked
         self.sampling = dict(sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
                              sampling_min_p=sampling_min_p)
         if temperature <= 0:

@@ -1,9 +1,9 @@
-"""Rollout engines' per-token log-probs -> the padded tensors :func:`pdmask.policy_loss` takes.
+"""Rollout engines' per-token log-probs -> the :class:`pdmask.Rollout` :func:`pdmask.policy_loss` takes.
 
 Pure converters: they duck-type the engines' output objects and import no engine.
 
-- :mod:`pdmask.formats.topk` -- :class:`RolloutTopK` and the one assembler every
-  engine format goes through (entries -> padded (B, T, K) tensors).
+- :mod:`pdmask.formats.topk` -- the one assembler every engine format goes through
+  (entries -> a :class:`pdmask.Rollout` of padded (B, T, K) tensors).
 - :mod:`pdmask.formats.vllm` -- vLLM ``CompletionOutput.logprobs`` (dicts of
   ``Logprob`` or ``FlatLogprobs``) and TRL's rank-sorted lists; ``logprobs_mode`` checks.
 - :mod:`pdmask.formats.sglang` -- SGLang ``meta_info`` (nested or flat raw format).
@@ -13,6 +13,6 @@ Layering: like the core, this package never imports ``pdmask.engine``, ``pdmask.
 plugins import it.
 """
 
-from .topk import RolloutTopK
+from ..rollout import Rollout
 
-__all__ = ["RolloutTopK"]
+__all__ = ["Rollout"]

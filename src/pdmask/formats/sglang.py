@@ -40,10 +40,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import _check as C
-from .topk import RolloutTopK, assemble, check_k
+from ..rollout import Rollout
+from .topk import assemble, check_k
 from .vllm import EngineSemanticsWarning
 
-__all__ = ["RolloutTopK", "check_sglang_semantics", "from_sglang"]
+__all__ = ["Rollout", "check_sglang_semantics", "from_sglang"]
 
 
 def check_sglang_semantics(
@@ -175,8 +176,8 @@ def from_sglang(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     device=None,
-) -> RolloutTopK:
-    """SGLang generate results -> :class:`RolloutTopK`.
+) -> Rollout:
+    """SGLang generate results -> :class:`pdmask.Rollout`.
 
     Args:
         results: one per sequence: the result dict of ``Engine.generate`` / ``/generate``

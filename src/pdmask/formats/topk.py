@@ -2,8 +2,9 @@
 
 Every engine format (vLLM dicts, vLLM ``FlatLogprobs``, TRL's rank-sorted lists, SGLang
 ``meta_info``) is first flattened to one list of *entries* ``(position, token id,
-log-prob, rank)``; :func:`assemble` then turns the entries into the tensors the core
-library takes. Keeping a single assembler means the one rule that matters is written
+log-prob, rank)``; :func:`assemble` then turns the entries into the :class:`pdmask.Rollout` the core
+library takes (padding positions, ``response_mask`` False, hold ``pad_id`` / log-prob 0
+/ top-K ids ``0..K-1`` with log-prob ``-inf``; the core ignores them). Keeping a single assembler means the one rule that matters is written
 once:
 
     The engine reports, at each position, the top-K tokens of its sampling distribution
@@ -38,53 +39,17 @@ tokens the engine truncated really have ``mu_i = 0`` (see ``docs/engine_formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 # Engine log-probs above LOGPROB_TOL are not log-probs (raw logits, or a wrong mode); the
 # same tolerance as the core's checks of the loss inputs.
 from .._validate import LOGPROB_TOL, MATCH_ATOL, MATCH_RTOL
+from ..rollout import Rollout
 
 #: Stand-in for an unknown rank: sorts after every real rank.
 _NO_RANK = 1 << 62
-
-
-@dataclass
-class RolloutTopK:
-    """The rollout engine's view of mu, padded to a rectangle.
-
-    Pass straight to :func:`pdmask.policy_loss`::
-
-        policy_loss(logits, r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs,
-                    advantages, r.response_mask, temperature=T)
-
-    Padding positions (``response_mask`` False) hold ``pad_id`` / log-prob 0 / top-K ids
-    ``0..K-1`` with log-prob ``-inf``; the core library ignores them.
-    """
-
-    sampled_ids: torch.Tensor  # (B, T) int64: the tokens the engine sampled
-    sampled_logprob: torch.Tensor  # (B, T) float: log mu of the sampled token
-    topk_ids: torch.Tensor | None  # (B, T, K) int64, ordered by rank; None when k == 0
-    topk_logprobs: torch.Tensor | None  # (B, T, K) float, -inf allowed
-    response_mask: torch.Tensor  # (B, T) bool: real (non-padding) positions
-
-    @property
-    def lengths(self) -> torch.Tensor:  # (B,)
-        return self.response_mask.sum(-1)
-
-    def to(self, device=None, dtype: torch.dtype | None = None) -> "RolloutTopK":
-        """Move to ``device``; ``dtype`` applies to the float tensors only."""
-
-        def mv(t, is_float):
-            if t is None:
-                return None
-            return t.to(device=device, dtype=dtype if (is_float and dtype is not None) else None)
-
-        return replace(self, sampled_ids=mv(self.sampled_ids, False),
-                       sampled_logprob=mv(self.sampled_logprob, True),
-                       topk_ids=mv(self.topk_ids, False), topk_logprobs=mv(self.topk_logprobs, True),
-                       response_mask=mv(self.response_mask, False))
 
 
 def check_k(k) -> int:
@@ -250,8 +215,8 @@ def assemble(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     device=None,
-) -> RolloutTopK:
-    """Build :class:`RolloutTopK` from flattened entries (see the module docstring).
+) -> Rollout:
+    """Build a :class:`pdmask.Rollout` from flattened entries (see the module docstring).
 
     ``arg`` names the user-facing argument the entries came from, for error messages.
     Positions are numbered sequence by sequence: sequence b's token t is
@@ -270,7 +235,7 @@ def assemble(
         topk_ids = lay.scatter(flat_ids, torch.arange(k, dtype=torch.int64).repeat(B, T, 1))  # (B, T, k)
         topk_lp = lay.scatter(flat_lp.to(dtype), torch.full((B, T, k), float("-inf"), dtype=dtype))
 
-    out = RolloutTopK(
+    out = Rollout(
         sampled_ids=lay.scatter(lay.sampled, torch.full((B, T), pad_id, dtype=torch.int64)),
         sampled_logprob=lay.scatter(s_lp.to(dtype), torch.zeros((B, T), dtype=dtype)),
         topk_ids=topk_ids,

@@ -38,10 +38,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import _check as C
-from .topk import RolloutTopK, assemble, check_k
+from ..rollout import Rollout
+from .topk import assemble, check_k
 
 __all__ = [
-    "EngineSemanticsWarning", "LOGPROBS_MODES", "RolloutTopK", "check_sampling_semantics",
+    "EngineSemanticsWarning", "LOGPROBS_MODES", "Rollout", "check_sampling_semantics",
     "from_vllm_logprobs", "from_vllm_outputs", "from_ranked_lists", "logprobs_mode_of",
 ]
 
@@ -273,8 +274,8 @@ def from_vllm_logprobs(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     device=None,
-) -> RolloutTopK:
-    """Per-sequence vLLM sample log-probs -> :class:`RolloutTopK`.
+) -> Rollout:
+    """Per-sequence vLLM sample log-probs -> :class:`pdmask.Rollout`.
 
     Args:
         logprobs: one entry per sequence: ``CompletionOutput.logprobs``, i.e. a
@@ -323,9 +324,9 @@ def from_vllm_outputs(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     device=None,
-) -> RolloutTopK:
+) -> Rollout:
     """``LLM.generate`` results (``RequestOutput`` s, flattened over their ``.outputs``, or
-    ``CompletionOutput`` s) -> :class:`RolloutTopK`.
+    ``CompletionOutput`` s) -> :class:`pdmask.Rollout`.
 
     ``k`` defaults to ``sampling_params.logprobs``. Pass ``logprobs_mode`` (e.g.
     ``logprobs_mode_of(llm)``) and ``sampling_params`` to get the semantics check.
@@ -358,9 +359,9 @@ def from_ranked_lists(
     pad_id: int = 0,
     dtype: torch.dtype = torch.float32,
     device=None,
-) -> RolloutTopK:
+) -> Rollout:
     """TRL's ``(logprobs, logprob_token_ids)`` lists (B, T, K or K+1, sorted by rank or by
-    descending log-prob, the sampled token merged in) -> :class:`RolloutTopK`.
+    descending log-prob, the sampled token merged in) -> :class:`pdmask.Rollout`.
 
     ``None`` log-probs (TRL's stand-in for NaN) are rejected. The lists carry no ranks, so
     entries are ordered by descending log-prob with the sampled token last among equals:

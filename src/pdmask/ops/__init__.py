@@ -30,6 +30,7 @@ Naive torch equivalent::
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -39,13 +40,13 @@ from . import _reference, _torch
 from ._autograd import KEYS, FusedRowStats
 from ._device import check_device
 from ._reference import FULL_KEYS, chunk_rows_for, compute_dtype
-from ._truncate import TRUNC_KEYS, Sampling, check_sampling
+from ._truncate import TRUNC_KEYS, Sampling
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
-__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "TRUNC_KEYS", "FusedRowStats", "Sampling", "check_impl", "check_kept_mask",
-           "check_sampling", "chunk_rows_for", "sampling_kept_mask", "compute_dtype", "hidden_row_stats", "resolve_impl", "row_stats",
-           "triton_available"]
+__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "TRUNC_KEYS", "Compute", "FusedRowStats", "Sampling", "check_impl",
+           "check_hidden", "check_kept_mask", "check_truncation", "chunk_rows_for", "sampling_kept_mask", "compute_dtype",
+           "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
 
 
 @lru_cache(maxsize=1)
@@ -59,13 +60,49 @@ def check_impl(impl: str) -> None:
     check_choice("impl", impl, IMPLS)
 
 
+@dataclass(frozen=True)
+class Compute:
+    """How the vocabulary reductions run (no effect on the numbers beyond rounding).
+
+    ``impl``: one of :data:`IMPLS` (see :func:`row_stats`); ``chunk_rows``: rows per chunk
+    (None: each implementation's default); ``chunk_cols``: vocabulary columns per chunk of
+    :func:`hidden_row_stats` (None: 4 M logits). Checked here, once.
+    """
+
+    impl: str = "auto"
+    chunk_rows: int | None = None
+    chunk_cols: int | None = None
+
+    def __post_init__(self) -> None:
+        check_impl(self.impl)
+        check_chunk_size("chunk_rows", self.chunk_rows)
+        check_chunk_size("chunk_cols", self.chunk_cols, "vocabulary columns per chunk")
+
+
+def check_truncation(impl: str, truncation: Sampling | None, kept_mask, rollout_logits, *,
+                     rollout: bool = False) -> Sampling | None:
+    """The rules of truncated sampling, in one place: not both a kept set and the
+    truncation parameters, no full-vocabulary terms (``rollout_logits``), no Triton.
+    Returns the truncation in force (``truncation`` if it truncates, else None). Errors
+    name ``rollout.kept_mask`` / ``rollout.logits`` when the tensors came in a
+    :class:`pdmask.Rollout` (``rollout=True``)."""
+    kept_name, logits_name = ("rollout.kept_mask", "rollout.logits") if rollout else ("kept_mask", "rollout_logits")
+    trunc = truncation if truncation is not None and truncation.truncated else None
+    if kept_mask is not None and trunc is not None:
+        raise ValueError(f"{kept_name}: give either the engine's kept set or the truncation parameters "
+                         "(top_k / top_p / min_p), not both")
+    truncated = trunc is not None or kept_mask is not None
+    if truncated and rollout_logits is not None:
+        raise ValueError(f"{logits_name}: the full-vocabulary terms are not available with truncated sampling")
+    if truncated and impl == "triton":
+        raise ValueError("impl: 'triton' has no kernel for truncated sampling; use impl='torch' or 'auto'")
+    return trunc
+
+
 def resolve_impl(impl: str, logits: torch.Tensor, truncated: bool = False) -> str:
     """The implementation ``impl`` stands for on these logits (``"auto"`` resolved;
     truncated sampling runs on the torch path)."""
     check_impl(impl)
-    if impl == "triton" and truncated:
-        raise ValueError("impl: 'triton' has no kernel for truncated sampling (sampling_top_k / top_p / min_p, "
-                         "kept_mask); use impl='torch' or 'auto'")
     if impl != "auto":
         return impl
     if truncated:
@@ -115,9 +152,8 @@ def _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values: bool,
     check_chunk_size("chunk_rows", chunk_rows)
 
 
-def check_kept_mask(kept_mask, shape: tuple, sampling, name: str = "kept_mask") -> None:
-    """``kept_mask`` is None or a bool tensor of ``shape`` (the engine's kept set), and not
-    given together with sampling parameters."""
+def check_kept_mask(kept_mask, shape: tuple, name: str = "kept_mask") -> None:
+    """``kept_mask`` is None or a bool tensor of ``shape`` (the engine's kept set)."""
     if kept_mask is None:
         return
     if not isinstance(kept_mask, torch.Tensor) or kept_mask.dtype != torch.bool:
@@ -125,9 +161,6 @@ def check_kept_mask(kept_mask, shape: tuple, sampling, name: str = "kept_mask") 
                          f"{getattr(kept_mask, 'dtype', type(kept_mask).__name__)}")
     if tuple(kept_mask.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(kept_mask.shape)}")
-    if sampling is not None:
-        raise ValueError(f"{name}: give either the engine's kept set or the sampling parameters "
-                         "(sampling_top_k / top_p / min_p), not both")
 
 
 def sampling_kept_mask(scaled_logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None,
@@ -137,8 +170,8 @@ def sampling_kept_mask(scaled_logits: torch.Tensor, *, top_k: int | None = None,
     when every rule is off. For engines that sample, and tests."""
     from ._truncate import rule_threshold
 
-    s = check_sampling(top_k, top_p, min_p, prefix="")
-    if s is None:
+    s = Sampling(top_k=top_k, top_p=top_p, min_p=min_p)
+    if not s.truncated:
         return torch.ones(scaled_logits.shape, dtype=torch.bool, device=scaled_logits.device)
     return scaled_logits >= rule_threshold(scaled_logits, s)[:, None]
 
@@ -153,9 +186,7 @@ def row_stats(
     impl: str = "auto",
     validate: bool = True,
     rollout_logits: torch.Tensor | None = None,  # (N, V)
-    sampling_top_k: int | None = None,
-    sampling_top_p: float | None = None,
-    sampling_min_p: float | None = None,
+    truncation: Sampling | None = None,
     kept_mask: torch.Tensor | None = None,  # (N, V) bool
 ) -> dict[str, torch.Tensor]:
     """Row statistics of ``pi = softmax(logits / temperature)``.
@@ -181,19 +212,19 @@ def row_stats(
     ``full_kl``, ``full_tv``, ``full_mu_k`` = mu_k, ``sum_p_mu`` = sum pi mu,
     ``sum_p_s`` = sum pi s and ``sum_p2_s`` = sum pi^2 s with ``s = 1/2 sign(pi - mu)``.
 
-    Truncated sampling: ``sampling_top_k``, ``sampling_top_p``, ``sampling_min_p`` (the
-    engine's truncation, vLLM's order and "off" values, :mod:`pdmask.ops._truncate`) make
+    Truncated sampling: ``truncation`` (a :class:`Sampling` whose ``top_k``, ``top_p``,
+    ``min_p`` are the engine's truncation, vLLM's order, :mod:`pdmask.ops._truncate`;
+    its temperature is not read here, ``temperature`` is) makes
     every statistic that of ``pi`` renormalised over the kept set rebuilt on these logits
     (plus the sampled token), and add :data:`TRUNC_KEYS`; ``kept_mask`` (N, V) bool gives
     the engine's own kept set instead. It runs on ``"torch"`` (``"auto"``) or
     ``"reference"``; ``"triton"`` refuses it, and so does ``rollout_logits``.
     """
     _check(logits, sampled_ids, topk_ids, temperature, chunk_rows, values=validate, rollout_logits=rollout_logits)
-    sampling = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
-    check_kept_mask(kept_mask, tuple(logits.shape), sampling)
+    check_impl(impl)
+    check_kept_mask(kept_mask, tuple(logits.shape))
+    sampling = check_truncation(impl, truncation, kept_mask, rollout_logits)
     truncated = sampling is not None or kept_mask is not None
-    if truncated and rollout_logits is not None:
-        raise ValueError("rollout_logits: the full-vocabulary terms are not available with truncated sampling")
     name = resolve_impl(impl, logits, truncated)
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
@@ -234,6 +265,24 @@ def _truncated(name, logits, ids, tk, temperature, chunk_rows, sampling, kept_ma
                                kept_mask=kept_mask)
 
 
+def check_hidden(hidden, weight, *, weight_name: str = "weight", flat: bool = True) -> None:
+    """Hidden states (``(N, H)``; any leading shape unless ``flat``) and an LM-head weight
+    ``(V, H)`` of the same dtype and device: the one check of the pair."""
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 2 \
+            or (flat and hidden.dim() != 2):
+        want = "(N, H)" if flat else "(B, T, H) or (N, H)"
+        raise ValueError(f"hidden: expected a floating-point {want} tensor, got "
+                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
+    H = hidden.shape[-1]
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2 \
+            or weight.shape[1] != H or weight.shape[0] < 1:
+        raise ValueError(f"{weight_name}: expected a floating-point (V, {H}) tensor (H of hidden), got "
+                         f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"{weight_name}: must have the dtype and device of hidden ({hidden.dtype}, "
+                         f"{hidden.device}), got {weight.dtype}, {weight.device}")
+
+
 def hidden_row_stats(
     hidden: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
@@ -243,9 +292,7 @@ def hidden_row_stats(
     temperature: float = 1.0,
     chunk_cols: int | None = None,
     validate: bool = True,
-    sampling_top_k: int | None = None,
-    sampling_top_p: float | None = None,
-    sampling_min_p: float | None = None,
+    truncation: Sampling | None = None,
     kept_mask: torch.Tensor | None = None,  # (N, V) bool
     chunk_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -256,7 +303,7 @@ def hidden_row_stats(
     differentiable in ``hidden`` and ``weight``. Plain torch only (no Triton kernel yet);
     no LM-head bias and no logit soft-capping. Same keys and dtypes as :func:`row_stats`.
 
-    Truncated sampling (``sampling_*``, ``kept_mask``: as in :func:`row_stats`) walks the
+    Truncated sampling (``truncation``, ``kept_mask``: as in :func:`row_stats`) walks the
     rows instead, ``chunk_rows`` at a time (default: 4 M logits per chunk), because top-p
     needs each row whole; its weight gradient is accumulated in float32 (one extra (V, H)
     float32 buffer for bf16/fp16 weights).
@@ -265,16 +312,7 @@ def hidden_row_stats(
     """
     from . import _hidden
 
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
-            raise ValueError(f"{name}: expected a floating-point 2-D tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight: expected shape (V, {hidden.shape[1]}) to match hidden (N, H), "
-                         f"got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight: must have the dtype and device of hidden ({hidden.dtype}, {hidden.device}), "
-                         f"got {weight.dtype}, {weight.device}")
+    check_hidden(hidden, weight)
     N, V = hidden.shape[0], weight.shape[0]
     # shape / dtype / temperature checks of row_stats on a storage-less (N, V) stand-in
     _check(torch.empty(N, V, device="meta"), sampled_ids, topk_ids, temperature, None, values=False)
@@ -284,8 +322,8 @@ def hidden_row_stats(
                 raise ValueError(f"{name}: ids must lie in [0, {V})")
     check_chunk_size("chunk_cols", chunk_cols, "vocabulary columns per chunk")
     check_chunk_size("chunk_rows", chunk_rows)
-    sampling = check_sampling(sampling_top_k, sampling_top_p, sampling_min_p)
-    check_kept_mask(kept_mask, (N, V), sampling)
+    check_kept_mask(kept_mask, (N, V))
+    sampling = check_truncation("torch", truncation, kept_mask, None)
     ids = sampled_ids.long()
     tk = None if topk_ids is None else topk_ids.long()
     grad = (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled()

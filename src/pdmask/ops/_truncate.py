@@ -47,29 +47,42 @@ TRUNC_KEYS = ("kept_mass", "kept_size", "sampled_outside")
 
 @dataclass(frozen=True)
 class Sampling:
-    """Checked truncation parameters (None: that rule is off)."""
+    """The engine's sampling distribution: temperature and truncation (vLLM's names and order).
 
+    ``pi = softmax(logits / temperature)``; ``top_k``, ``top_p``, ``min_p`` truncate it
+    (module docstring). vLLM's "off" values are accepted and stored as None: ``top_k``
+    None, 0 or -1; ``top_p`` None or 1; ``min_p`` None or 0. Checked here, once: an error
+    names the field (``top_p: ...``). Naive equivalent of the truncation:
+    :func:`pdmask.ops.sampling_kept_mask`.
+    """
+
+    temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
 
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
+            raise ValueError(f"temperature: must be a positive finite number, got {t!r}")
+        k = self.top_k
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < -1):
+            raise ValueError(f"top_k: expected an int >= 1 (0, -1 or None: off), got {k!r}")
+        for name in ("top_p", "min_p"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                                  or (name == "top_p" and v == 0)):
+                rng = "(0, 1]" if name == "top_p" else "[0, 1]"
+                raise ValueError(f"{name}: expected a number in {rng}, got {v!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", None if k in (None, 0, -1) else int(k))
+        object.__setattr__(self, "top_p", None if self.top_p is None or self.top_p == 1 else float(self.top_p))
+        object.__setattr__(self, "min_p", None if self.min_p is None or self.min_p == 0 else float(self.min_p))
 
-def check_sampling(top_k=None, top_p=None, min_p=None, *, prefix: str = "sampling_") -> Sampling | None:
-    """The rules in force, or None. vLLM's "off" values are accepted: ``top_k`` None, 0 or
-    -1; ``top_p`` None or 1; ``min_p`` None or 0."""
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1):
-        raise ValueError(f"{prefix}top_k: expected an int >= 1 (0, -1 or None: off), got {top_k!r}")
-    for name, v in (("top_p", top_p), ("min_p", min_p)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
-                              or (name == "top_p" and v == 0)):
-            rng = "(0, 1]" if name == "top_p" else "[0, 1]"
-            raise ValueError(f"{prefix}{name}: expected a number in {rng}, got {v!r}")
-    k = None if top_k in (None, 0, -1) else int(top_k)
-    p = None if top_p is None or top_p == 1 else float(top_p)
-    mp = None if min_p is None or min_p == 0 else float(min_p)
-    if k is None and p is None and mp is None:
-        return None
-    return Sampling(k, p, mp)
+    @property
+    def truncated(self) -> bool:
+        """Some truncation rule is in force."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
 
 def rule_threshold(y: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -168,8 +168,6 @@ class TrainConfig:
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{k}: must be a finite number >= 0{' (0: no clipping)' if k == 'grad_clip' else ''}, "
                                  f"got {v}")
-        if self.eps_low >= 1:
-            raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), got {self.eps_low}")
         if self.group_size < 2:
             raise ValueError(f"group_size: must be >= 2 (GRPO advantages are relative to the group: with one sample "
                              f"per prompt every advantage is 0 and nothing is learned), got {self.group_size}")
@@ -221,37 +219,55 @@ class TrainConfig:
         return self
 
 
-def correction_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """The off-policy correction and truncated-sampling keywords of :func:`pdmask.policy_loss`
-    from the config (the field names are the keyword names)."""
-    return dict(is_level=cfg.is_level, is_floor=cfg.is_floor, is_mask=cfg.is_mask,
-                is_batch_normalize=cfg.is_batch_normalize, rejection=cfg.rejection or None,
-                rejection_threshold=cfg.rejection_threshold or None,
-                off_policy_mask_threshold=cfg.off_policy_mask_threshold, sampling_top_k=cfg.sampling_top_k,
-                sampling_top_p=cfg.sampling_top_p, sampling_min_p=cfg.sampling_min_p)
+def corrections(cfg: TrainConfig):
+    """The config's :class:`pdmask.Corrections` (the field names are its field names; an
+    empty ``rejection`` / ``rejection_threshold`` string is None)."""
+    from ..corrections import Corrections
+
+    return Corrections.from_fields(cfg, rejection=cfg.rejection or None,
+                                   rejection_threshold=cfg.rejection_threshold or None)
+
+
+def sampling(cfg: TrainConfig):
+    """The engine's :class:`pdmask.Sampling` (``temperature`` and ``sampling_*``); an error
+    names the config field."""
+    from ..ops import Sampling
+
+    try:
+        return Sampling(temperature=cfg.temperature, top_k=cfg.sampling_top_k, top_p=cfg.sampling_top_p,
+                        min_p=cfg.sampling_min_p)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith("temperature") else f"sampling_{msg}") from None
+
+
+def loss_spec(cfg: TrainConfig, *, validate: bool = False):
+    """The trainer's :class:`pdmask.PolicyLoss`: the one spec built from the config (every
+    setting checked there, once; errors name the field)."""
+    from ..loss import Aggregation, PolicyLoss
+    from ..masks import Thresholds
+
+    return PolicyLoss(mode=cfg.mode, estimator=cfg.estimator,
+                      thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high),
+                      corrections=corrections(cfg), sampling=sampling(cfg),
+                      aggregation=Aggregation(cfg.loss_agg), validate=validate)
 
 
 def _validate_corrections(cfg: TrainConfig) -> None:
-    """The corrections' and truncation's own checks (errors name the field: the field names
-    are the keyword names of pdmask.policy_loss)."""
+    """The loss spec's own checks (:func:`loss_spec`), and what truncated sampling excludes."""
     from .. import MODES
-    from ..corrections import check_corrections
-    from ..ops import check_sampling
 
-    kw = correction_kwargs(cfg)
-    check_corrections(is_level=kw["is_level"], is_cap=cfg.is_cap, is_floor=kw["is_floor"], is_mask=kw["is_mask"],
-                      is_batch_normalize=kw["is_batch_normalize"], rejection=kw["rejection"],
-                      rejection_threshold=kw["rejection_threshold"],
-                      off_policy_mask_threshold=kw["off_policy_mask_threshold"],
-                      surrogate=MODES[cfg.mode].surrogate if cfg.mode in MODES else "dppo")
-    if check_sampling(cfg.sampling_top_k, cfg.sampling_top_p, cfg.sampling_min_p) is None:
+    if cfg.mode not in MODES:
+        return
+    spec = loss_spec(cfg)
+    if not spec.sampling.truncated:
         return
     on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
               if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
     if cfg.full_logits:
         raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
                          "(the full-vocabulary terms are those of the untruncated mu)")
-    if cfg.mode in MODES and "batch" in MODES[cfg.mode].needs:
+    if "batch" in MODES[cfg.mode].needs:
         raise ValueError(f"{on}: mode {cfg.mode!r} computes its batch direction on the untruncated pi; "
                          "truncated sampling is not available with the pdm-batch-* modes")
 

@@ -29,11 +29,12 @@ import json
 import math
 from pathlib import Path
 
+from ..significance import DEFAULT_N_BOOT
 from .environment import environment, environments_line, one_line, runs_environments
 from .logging import read_jsonl
 from .seed_summary import json_safe
 
-N_BOOT = 10_000
+N_BOOT = DEFAULT_N_BOOT
 
 
 def _mean(xs):

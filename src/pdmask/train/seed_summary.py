@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..significance import DEFAULT_N_BOOT
 from .logging import read_jsonl
 
 
@@ -140,7 +141,7 @@ def resolution_note(n: int) -> str:
 
 
 def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, require_reference: bool = False,
-                 n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict:
+                 n_boot: int = DEFAULT_N_BOOT, level: float = 0.95, seed: int = 0) -> dict:
     """Across-seed summary of the runs: per mode, and paired against ``reference`` by seed.
 
     Per group (mode, or mode + delta): the mean and min-max over seeds of every

@@ -16,7 +16,7 @@ same prompts for every precision) and measure, pooled over the response tokens:
 
 The top-K KL quantiles are what a mask's delta is chosen from (docs/real_lm.md).
 Naive equivalent per batch: ``b = engine.generate(...)``; ``z = policy(b.sequences)``;
-``pdmask.token_stats(z, ...)["topk_kl"][b.response_mask]``.
+``pdmask.token_stats(z, b.rollout)["topk_kl"][b.response_mask]``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
     """The measurements above for the trainer config ``cfg`` (validated), one entry per precision."""
     from ..engine.hf import response_logits
     from ..engine.registry import build_engine
+    from ..ops import Sampling
     from ..stats import token_stats
     from .config import replace
     from .grpo import setup
@@ -67,13 +68,12 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             m = b.response_mask.bool()
             with torch.no_grad():
                 z = response_logits(policy, b.sequences, b.attention_mask, b.prompt_len).float()  # (B, T, V)
-                st = token_stats(z, b.response_ids, b.sampled_logprob, b.topk_ids, b.topk_logprobs,
-                                 response_mask=m, rollout_logits=b.logits, temperature=cfg.temperature)
+                st = token_stats(z, b.rollout, sampling=Sampling(temperature=cfg.temperature))
             rows["reward"].append(ro.rewards.numpy())
             rows["flat"].append(np.array([float(ro.flat_group_frac)]))
             rows["ended"].append(((b.response_ids == eos) & m).any(1).float().numpy())
             rows["length"].append(m.sum(1).float().numpy())
-            rows["tail"].append((1.0 - b.topk_logprobs.double().exp().sum(-1)).clamp_min(0)[m].numpy())
+            rows["tail"].append((1.0 - b.rollout.topk_logprobs.double().exp().sum(-1)).clamp_min(0)[m].numpy())
             rows["entropy"].append(st["entropy"][m].numpy())
             for k in ("topk_kl", "full_kl", "binary_kl"):
                 rows[k].append(st[k][m].double().numpy())

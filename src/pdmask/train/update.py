@@ -21,9 +21,9 @@ import torch
 from ..batchmask import BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_logits
-from ..loss import PolicyLossOutput, policy_loss
+from ..loss import PolicyLossOutput
 from ..masks import get_mode
-from .config import TrainConfig, correction_kwargs
+from .config import TrainConfig, loss_spec
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
@@ -43,12 +43,13 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
     p0 = P - max(prompt_lens[i] for i in idx)  # first prompt column any selected row uses
     T = max(1, max(response_lens[i] for i in idx))
     ix = torch.as_tensor(idx, device=batch.sequences.device)
-    return RolloutBatch(
-        sequences=batch.sequences[ix, p0:P + T], attention_mask=batch.attention_mask[ix, p0:P + T],
-        prompt_len=P - p0, response_mask=batch.response_mask[ix, :T],
-        sampled_logprob=batch.sampled_logprob[ix, :T], topk_ids=batch.topk_ids[ix, :T],
-        topk_logprobs=batch.topk_logprobs[ix, :T],
-        logits=batch.logits[ix, :T] if batch.logits is not None else None)
+    r = batch.rollout
+    cut = {name: None if t is None else t[ix, :T] for name, t in (
+        ("sampled_ids", r.sampled_ids), ("sampled_logprob", r.sampled_logprob), ("topk_ids", r.topk_ids),
+        ("topk_logprobs", r.topk_logprobs), ("response_mask", r.response_mask), ("kept_mask", r.kept_mask),
+        ("logits", r.logits))}
+    return RolloutBatch(sequences=batch.sequences[ix, p0:P + T], attention_mask=batch.attention_mask[ix, p0:P + T],
+                        prompt_len=P - p0, rollout=r.replace(**cut))
 
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
@@ -59,10 +60,9 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         model: the trainer's causal LM.
         batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
         advantages: (B,) per-sequence advantages (broadcast over the response tokens).
-        cfg: reads mode, estimator, delta_low/high, eps_low/high, is_cap, loss_agg,
-            temperature (and uses ``batch.logits`` as ``rollout_logits`` if present), the
-            off-policy corrections and the engine's truncated sampling
-            (:func:`pdmask.train.config.correction_kwargs`); for the ``pdm-batch-*``
+        cfg: its loss settings (:func:`pdmask.train.config.loss_spec`: mode, estimator,
+            thresholds, corrections, the engine's sampling, aggregation; the rollout's
+            ``logits`` feed the ``*-full-*`` modes when present); for the ``pdm-batch-*``
             modes also batch_params, batch_method.
         validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
             the engine's outputs are known good).
@@ -79,12 +79,7 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         logits, extra, more = batch_forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
     else:
         logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
-    out = policy_loss(
-        logits, batch.response_ids, batch.sampled_logprob, batch.topk_ids, batch.topk_logprobs,
-        adv, batch.response_mask, mode=cfg.mode, estimator=cfg.estimator,
-        delta_low=cfg.delta_low, delta_high=cfg.delta_high, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        is_cap=cfg.is_cap, loss_agg=cfg.loss_agg, temperature=cfg.temperature, rollout_logits=batch.logits,
-        validate=validate, **extra, **correction_kwargs(cfg))
+    out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
     out.metrics.update(more)
     return out
 
@@ -139,8 +134,7 @@ def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tenso
     diagnostics (detached).
     """
     bm = batch_masker(model, optimizer, cfg)
-    out = bm(batch.sequences, batch.attention_mask, batch.response_mask, batch.sampled_logprob, batch.topk_ids,
-             batch.topk_logprobs, advantages, validate=validate, share_forward=True)
+    out = bm(batch.sequences, batch.attention_mask, batch.rollout, advantages, validate=validate, share_forward=True)
     more = {f"batch_{k}": out.metrics[k] for k in BATCH_METRICS}
     return out.logits, {"batch_ddot": out.ddot}, more
 

@@ -48,7 +48,7 @@ def test_rollout_is_gives_the_same_weights(level, thr, normalize):
         kw.update(is_cap=hi, is_floor=lo, is_mask=True)
     else:
         kw.update(is_cap=thr)
-    w, keep, _ = C.importance_weights(lr, mask.bool(), **kw)
+    w, keep, _ = C.importance_weights(lr, mask.bool(), C.Corrections(**kw))
     torch.testing.assert_close(w * mask, w_verl * mask)
     if kw.get("is_mask"):  # verl zeroes the IcePop / MIS weights; pdmask masks the same tokens
         assert torch.equal((w_verl > 0) | ~mask.bool(), keep | ~mask.bool())

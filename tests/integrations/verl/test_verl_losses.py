@@ -10,6 +10,7 @@ import torch
 from verl_helpers import actor_config, binary_batch, needs_verl
 
 import pdmask
+from tests import flat  # noqa: E402
 
 pytestmark = needs_verl
 
@@ -35,7 +36,7 @@ def _call(name, logits, ids, rlp, adv, mask, cfg, **kw):
 
 def _pdmask(mode, logits, ids, rlp, adv, mask, *, agg="token-mean", **kw):
     leaf = logits.clone().requires_grad_(True)
-    out = pdmask.policy_loss(leaf, ids, rlp, None, None, adv, mask, mode=mode, delta_low=0.05, delta_high=0.07,
+    out = flat.policy_loss(leaf, ids, rlp, None, None, adv, mask, mode=mode, delta_low=0.05, delta_high=0.07,
                              is_cap=5.0, loss_agg=agg, **kw)
     (g,) = torch.autograd.grad(out.loss, leaf)
     return out, g
@@ -94,7 +95,7 @@ def test_rollout_is_weights_multiply_per_token():
     w = torch.rand(adv.shape, generator=torch.Generator().manual_seed(0), dtype=adv.dtype) + 0.5
     loss, _, _ = _call("pdmask_dppo_binary_tv", logits, ids, rlp, adv, mask, cfg, rollout_is_weights=w)
     ref, _ = _pdmask("dppo-binary-tv", logits, ids, rlp, adv, mask, agg="seq-mean-token-sum")
-    expect = pdmask.aggregate(ref.token_loss * w, mask, "seq-mean-token-sum")
+    expect = pdmask.aggregate(ref.token_loss * w, mask, pdmask.Aggregation("seq-mean-token-sum"))
     torch.testing.assert_close(loss, expect, rtol=1e-12, atol=1e-12)
     assert not math.isclose(float(loss.detach()), float(ref.loss.detach()))
 

@@ -9,6 +9,7 @@ import pdmask
 from pdmask.integrations.verl import losses
 from pdmask.keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
 from pdmask.stats import MAX_LOG_RATIO, binary_stats
+from tests import flat  # noqa: E402
 
 
 def _batch(B=3, T=5, V=13, seed=0):
@@ -23,7 +24,7 @@ def _batch(B=3, T=5, V=13, seed=0):
 
 def test_core_binary_stats_are_the_token_stats_binary_keys():
     z, k, logp, rlp = _batch()
-    st = pdmask.token_stats(z, k, rlp)
+    st = flat.token_stats(z, k, rlp)
     got = binary_stats(st["logp"].detach(), rlp, st["sum_p2"])
     assert set(got) == {"log_ratio", "ratio", "binary_tv", "binary_kl", "ddot_binary_tv", "ddot_binary_kl"}
     for key, val in got.items():
@@ -41,7 +42,7 @@ def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
         torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=0, msg=key)
         assert torch.isfinite(got[key]).all(), key  # padding gets a harmless placeholder
     # the bound changes the magnitude of Ddot, never its sign (the sign is the ratio's)
-    st = pdmask.token_stats(z, k, rlp)
+    st = flat.token_stats(z, k, rlp)
     for key in ("ddot_binary_tv", "ddot_binary_kl"):
         assert torch.equal(torch.sign(got[key][mask]), torch.sign(st[key][mask])), key
 

@@ -15,6 +15,7 @@ import torch
 
 import pdmask
 from verl_helpers import load_engine_fakes
+from tests import flat  # noqa: E402
 
 V, K, TEMP = 13, 4, 0.8
 
@@ -106,5 +107,5 @@ def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact"
     kw = {"delta_low": 0.05, "delta_high": 0.07, "is_cap": 5.0, **kw}
     if response_mask is not None:
         mask = response_mask.bool() & mask
-    return pdmask.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator,
+    return flat.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator,
                               temperature=t32, **kw)

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from ...rollout import Rollout
 from ..base import RolloutBatch, RolloutEngine
 from .support import (PRECISIONS, TORCH_DTYPES, checkpoint_shapes, head_dim_of, import_vllm,
                       normalize_precision, parse_flat_prompt_logprobs, request_seeds)
@@ -355,11 +356,9 @@ class VLLMEngine(RolloutEngine):
         if bad.any():  # a sampled token has mu > 0, so -inf/NaN means broken weights
             raise RuntimeError(f"vLLM returned non-finite sampled-token log-probs at {int(bad.sum())} "
                                "positions (non-finite weights?)")
-        batch = RolloutBatch(sequences=seqs, attention_mask=attn, prompt_len=P, response_mask=resp_mask,
-                             sampled_logprob=sampled, topk_ids=tk_ids, topk_logprobs=tk_lp)
-        if return_logits:
-            batch.logits = self.score(seqs, attn, P)
-        return batch
+        rollout = Rollout(sampled_ids=r.sampled_ids, sampled_logprob=sampled, topk_ids=tk_ids, topk_logprobs=tk_lp,
+                          response_mask=resp_mask, logits=self.score(seqs, attn, P) if return_logits else None)
+        return RolloutBatch(sequences=seqs, attention_mask=attn, prompt_len=P, rollout=rollout)
 
     # ------------------------------------------------------------------ scoring
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

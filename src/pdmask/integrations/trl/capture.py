@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from ...formats.topk import RolloutTopK
+from ...rollout import Rollout
 
 _UNSUPPORTED = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
@@ -96,7 +96,7 @@ class TopKRecorder(LogitsProcessor):
     def num_steps(self) -> int:
         return len(self._sampled_lp) + (self._prev is not None)
 
-    def finish(self, completion_ids: list[list[int]], *, device=None) -> RolloutTopK:
+    def finish(self, completion_ids: list[list[int]], *, device=None) -> Rollout:
         """Align the records with the completions (lists cut at EOS, one per row).
 
         Raises ``RuntimeError`` if a recorded sampled token differs from the completion
@@ -129,5 +129,5 @@ class TopKRecorder(LogitsProcessor):
             tk_ids = torch.where(mask[..., None], tk_ids, ar)
             tk_lp = torch.where(mask[..., None], tk_lp, torch.full_like(tk_lp, float("-inf")))
         self._prev = None  # free the (B, V) buffer
-        out = RolloutTopK(ids, s_lp, tk_ids, tk_lp, mask)
+        out = Rollout(ids, s_lp, tk_ids, tk_lp, mask)
         return out.to(device) if device is not None else out

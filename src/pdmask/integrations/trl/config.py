@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig as _TRLGRPOConfig
 
 from ... import MODES
-from ..._validate import ESTIMATORS
 from . import options
 from .options import IS_CAP_DEFAULT, LOSS_TYPES  # noqa: F401  (LOSS_TYPES: re-export)
 
@@ -108,9 +107,11 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.mask_mode not in MODES:
-            raise ValueError(f"mask_mode: unknown value {self.mask_mode!r}; valid values are: {', '.join(MODES)}")
-        mode = MODES[self.mask_mode]
+        if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
+            self.is_level = None  # from the command line
+        options.check(self)  # the TRL options first (a refused one explains the rest)
+        spec = options.loss_spec(self)  # every mask, correction and sampling setting, checked once
+        mode = spec.mask_mode
         if "full" in mode.needs:
             raise ValueError(f"mask_mode: {self.mask_mode!r} needs the generator's full logits, which neither vLLM "
                              "nor generate() report; use a *-topk-* mode")
@@ -123,20 +124,7 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
             raise ValueError(f"rollout_top_k: must be a non-negative int, got {self.rollout_top_k!r}")
         if "topk" in mode.needs and self.rollout_top_k < 1:
             raise ValueError(f"rollout_top_k: mode {self.mask_mode!r} needs K >= 1, got {self.rollout_top_k!r}")
-        if self.mask_estimator not in ESTIMATORS:
-            raise ValueError(f"mask_estimator: unknown value {self.mask_estimator!r}; valid values are: "
-                             f"{', '.join(ESTIMATORS)}")
-        for name in ("mask_delta_low", "mask_delta_high"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or not v > 0 or math.isinf(v)):
-                raise ValueError(f"{name}: must be a positive finite number or None, got {v!r}")
-        if not isinstance(self.is_cap, (int, float)) or not self.is_cap > 0:
-            raise ValueError(f"is_cap: must be a positive number (inf disables), got {self.is_cap!r}")
-        if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
-            self.is_level = None  # from the command line
-        options.check(self)
         options.check_mask_options(self)
-        options.check_corrections(self)
         gk = self.generation_kwargs or {}
         if self.repetition_penalty != 1.0 or gk.get("repetition_penalty", 1.0) != 1.0:
             warnings.warn(
@@ -144,9 +132,8 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                 "pi = softmax(logits / T) even with identical weights, so ratios and divergences include that gap "
                 "and masks fire on-policy. RL recipes sample with repetition_penalty=1.",
                 UserWarning, stacklevel=3)
-        samp = options.sampling(self)
-        if not self.use_vllm and samp["sampling_min_p"] is not None and (
-                samp["sampling_top_k"] is not None or samp["sampling_top_p"] is not None):
+        samp = spec.sampling
+        if not self.use_vllm and samp.min_p is not None and (samp.top_k is not None or samp.top_p is not None):
             warnings.warn(
                 "min_p: generate() applies min-p after top-k / top-p, the loss rebuilds the kept set in vLLM's order "
                 "(min-p first); where the two sets differ, pdmask/kept_set_sampled_outside_frac and "

@@ -2,7 +2,7 @@
 
 The pdmask trainer replaces TRL's policy loss with :func:`pdmask.policy_loss`, anchored on
 the rollout policy mu the generator reports. Each TRL option that shapes TRL's loss is
-therefore either **honoured** (it means the same here; :func:`loss_kwargs` maps it) or
+therefore either **honoured** (it means the same here; :func:`loss_spec` maps it) or
 **refused** at config time: :func:`check` raises a one-line ``ValueError`` that starts
 with the option's name. This module is the one place that decides; :data:`OPTIONS` is the
 table (``docs/trl.md`` lists it), :data:`NEUTRAL` the TRL fields that do not touch the
@@ -10,7 +10,7 @@ objective, and a test checks that every ``GRPOConfig`` field of TRL is in one of
 
 Off-policy corrections go through the core (:mod:`pdmask.corrections`): TRL's own
 ``vllm_importance_sampling_*`` and ``off_policy_mask_threshold`` where they map exactly,
-pdmask's ``is_*`` / ``rejection*`` fields of the config otherwise (:func:`loss_kwargs`);
+pdmask's ``is_*`` / ``rejection*`` fields of the config otherwise (:func:`corrections`);
 TRL's ``top_k`` / ``top_p`` / ``min_p`` become the loss's truncated-sampling arguments
 (:func:`sampling`).
 
@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any, Callable
 
 from ... import MODES
+from ...corrections import Corrections
 
 #: TRL ``loss_type`` values whose aggregation the trainer reproduces.
 LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
@@ -58,7 +59,7 @@ def _grpo(args) -> bool:
 
 
 #: pdmask's default IS cap (``PDMaskGRPOConfig.is_cap``).
-IS_CAP_DEFAULT = 5.0
+IS_CAP_DEFAULT = Corrections.is_cap
 
 
 def _refuse_delta(a) -> str | None:
@@ -93,7 +94,7 @@ def _when(cond: Callable[[Any], bool], reason: str) -> Callable[[Any], str | Non
 VLLM_IS_MODES = {"token_truncate": ("token", False), "token_mask": ("token", True),
                  "sequence_truncate": ("sequence", False), "sequence_mask": ("sequence", True)}
 #: pdmask's own IS-weight fields, which TRL's vLLM correction sets when it is on (with their defaults).
-IS_FIELDS = {"is_level": "token", "is_floor": None, "is_mask": False, "is_cap": IS_CAP_DEFAULT}
+IS_FIELDS = {name: getattr(Corrections, name) for name in ("is_level", "is_floor", "is_mask", "is_cap")}
 
 
 def vllm_is_on(a) -> bool:
@@ -157,7 +158,7 @@ OPTIONS: tuple[Option, ...] = (
                  "the entropy bonus is not supported; set use_adaptive_entropy=False")),
     Option("off_policy_mask_threshold", "honoured",
            "DeepSeek-V3.2's off-policy sequence mask after the trust-region mask "
-           "(pdmask.policy_loss(off_policy_mask_threshold=delta)), every mode"),
+           "(pdmask.Corrections(off_policy_mask_threshold=delta)), every mode"),
     Option("top_entropy_quantile", "refused unless 1.0", "every token is trained",
            _when(lambda a: a.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask")),
     Option("vllm_importance_sampling_correction",
@@ -198,7 +199,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("temperature", "honoured", "pi = softmax(logits / T), the generator's T"),
     Option("top_p", "honoured",
            "truncated sampling: mu is renormalised over the kept set, so pi is too, over the set rebuilt from the "
-           "same parameters (pdmask.policy_loss(sampling_top_p=...))"),
+           "same parameters (pdmask.Sampling(top_p=...))"),
     Option("top_k", "honoured", "as top_p (sampling_top_k)"),
     Option("min_p", "honoured (warns with top_k / top_p on the generate() path)",
            "as top_p (sampling_min_p); the kept set is rebuilt in vLLM's order (min-p first), generate() applies "
@@ -256,67 +257,74 @@ def check_mask_options(args) -> None:
                                  "epsilon / epsilon_high); leave it None")
 
 
-def _is_kwargs(args) -> dict[str, Any]:
+def _is_fields(args) -> dict[str, Any]:
     """The IS weight: TRL's vLLM correction when it is on (:data:`VLLM_IS_MODES`), else pdmask's
-    ``is_*`` fields. TRL's bounds: ``clip_max`` None = no upper bound (``is_cap=inf``),
-    ``clip_min`` None or 0 = no lower bound (a ratio is never below 0)."""
+    ``is_*`` fields (``delta`` is the dual clip in grpo mode). TRL's bounds: ``clip_max`` None
+    = no upper bound (``is_cap=inf``), ``clip_min`` None or 0 = no lower bound."""
     if vllm_is_on(args) and not _grpo(args):
         level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
         hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
-        return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else float(hi),
-                "is_floor": float(lo) if lo else None}
-    is_cap = float(args.delta) if (_grpo(args) and args.delta is not None) else float(args.is_cap)
-    return {"is_level": args.is_level, "is_mask": args.is_mask, "is_cap": is_cap,
-            "is_floor": None if args.is_floor is None else float(args.is_floor)}
+        return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else hi,
+                "is_floor": lo if lo else None}
+    if _grpo(args) and args.delta is not None:
+        return {"is_cap": args.delta}
+    return {}
 
 
-def loss_kwargs(args) -> dict[str, Any]:
-    """The honoured TRL knobs and pdmask's correction fields as :func:`pdmask.policy_loss`
-    arguments: the grpo clip range, the IS weight (pdmask's ``is_*`` or TRL's vLLM
-    correction; ``delta`` is the dual clip in grpo mode), the rejection rules and the
-    off-policy sequence mask."""
-    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    kw = {"eps_low": float(args.epsilon), "eps_high": float(eps_high), **_is_kwargs(args),
-          "is_batch_normalize": args.is_batch_normalize, "rejection": args.rejection or None,
-          "rejection_threshold": args.rejection_threshold if args.rejection_threshold != "" else None,
-          "off_policy_mask_threshold": args.off_policy_mask_threshold}
-    if not (kw["is_cap"] > 0 and not math.isnan(kw["is_cap"])):
-        raise ValueError(f"is_cap: must be a positive number (inf disables), got {kw['is_cap']!r}")
-    return kw
+def corrections(args):
+    """The config's :class:`pdmask.Corrections`: pdmask's correction fields, the IS weight
+    replaced by TRL's vLLM correction when that is on (an error then names TRL's fields)."""
+    try:
+        return Corrections.from_fields(args, **_is_fields(args), rejection=args.rejection or None,
+                                       rejection_threshold=args.rejection_threshold or None)
+    except ValueError as e:
+        if vllm_is_on(args) and not _grpo(args):
+            raise ValueError(f"vllm_importance_sampling_clip_min / _clip_max: {e}") from None
+        raise
 
 
 def _off(v, *off) -> Any:
     return None if v is None or v in off else v
 
 
-def sampling(args) -> dict[str, Any]:
-    """The generator's truncation (``top_k`` / ``top_p`` / ``min_p``; ``generation_kwargs`` wins,
-    as it does in TRL) as :func:`pdmask.policy_loss`'s ``sampling_*`` arguments, None = off."""
+def sampling(args):
+    """The generator's :class:`pdmask.Sampling`: ``temperature`` and the truncation (``top_k`` /
+    ``top_p`` / ``min_p``; ``generation_kwargs`` wins, as it does in TRL). An error names
+    TRL's field."""
+    from ...ops import Sampling
+
     gk = args.generation_kwargs or {}
-    return {"sampling_top_k": _off(gk.get("top_k", args.top_k), 0, -1),
-            "sampling_top_p": _off(gk.get("top_p", args.top_p), 1.0),
-            "sampling_min_p": _off(gk.get("min_p", args.min_p), 0.0)}
+    return Sampling(temperature=args.temperature, top_k=_off(gk.get("top_k", args.top_k), 0, -1),
+                    top_p=_off(gk.get("top_p", args.top_p), 1.0), min_p=_off(gk.get("min_p", args.min_p), 0.0))
 
 
-def check_corrections(args) -> None:
-    """Check the correction and truncation arguments the loss will get (one-line errors naming
-    the field): the core's own checks, with TRL's names when TRL's vLLM correction supplied the values."""
-    from ...corrections import check_corrections as core_check
+#: The core's argument names -> the config's field names (for its error messages).
+_FIELD_OF = {"mode": "mask_mode", "estimator": "mask_estimator", "delta_low": "mask_delta_low",
+             "delta_high": "mask_delta_high", "eps_low": "epsilon", "eps_high": "epsilon_high",
+             "chunk_rows": "mask_chunk_size"}
 
-    from ...ops import check_sampling
 
-    samp = sampling(args)
-    # TRL's field names (generation_kwargs' values are checked under the same names)
-    check_sampling(samp["sampling_top_k"], samp["sampling_top_p"], samp["sampling_min_p"], prefix="")
-    kw = loss_kwargs(args)
-    kw.pop("eps_low"), kw.pop("eps_high")
+def loss_spec(args):
+    """The trainer's :class:`pdmask.PolicyLoss`, the one spec built from the config: the
+    mask settings, the grpo clip range (``epsilon`` / ``epsilon_high``), the corrections,
+    the generator's sampling. Every setting is checked there, once; an error names the
+    config's field."""
+    from ...loss import PolicyLoss
+    from ...masks import Thresholds
+    from ...ops import Compute
+
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     try:
-        core_check(surrogate=MODES[args.mask_mode].surrogate, **kw)
+        return PolicyLoss(mode=args.mask_mode, estimator=args.mask_estimator,
+                          thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high),
+                          corrections=corrections(args), sampling=sampling(args),
+                          compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate)
     except ValueError as e:
-        if vllm_is_on(args):
-            raise ValueError(f"vllm_importance_sampling_clip_min / _clip_max: {e}") from None
+        name, _, rest = str(e).partition(":")
+        if name in _FIELD_OF:
+            raise ValueError(f"{_FIELD_OF[name]}:{rest}") from None
         raise
 
 
 __all__ = ["IS_CAP_DEFAULT", "IS_FIELDS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "VLLM_IS_MODES", "check",
-           "check_corrections", "check_mask_options", "loss_kwargs", "sampling", "trl_default", "vllm_is_on"]
+           "check_mask_options", "corrections", "loss_spec", "sampling", "trl_default", "vllm_is_on"]

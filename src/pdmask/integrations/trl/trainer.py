@@ -8,8 +8,8 @@ Three private TRL 1.16 methods are overridden, each as thinly as possible:
   token's log-prob by id (TRL keeps ``lp[0]``, the rank-1 token's). On the
   ``transformers`` path, attach a :class:`TopKRecorder` to ``generate``. The base
   method still does the generating; the captured tensors wait in ``self._pdmask_rollout``.
-- ``_generate_and_score_completions``: add ``rollout_logprobs`` (B, T) and
-  ``rollout_topk_ids`` / ``rollout_topk_logprobs`` (B, T, K) to the batch dict; TRL's
+- ``_generate_and_score_completions``: add ``sampled_logprob`` (B, T) and
+  ``topk_ids`` / ``topk_logprobs`` (B, T, K) to the batch dict; TRL's
   ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice every tensor along
   dim 0, so they stay aligned with the completions through shuffling and micro-batching.
 - ``_compute_loss``: a forward that returns logits, then :func:`pdmask.policy_loss`,
@@ -34,8 +34,8 @@ from contextlib import contextmanager
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from ... import policy_loss, policy_loss_from_hidden
-from ...formats.topk import RolloutTopK
+from ...loss import Aggregation
+from ...rollout import Rollout
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
 from . import hidden as _hidden
 from . import options
@@ -71,7 +71,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         for name in ("tools", "environment_factory", "rollout_func"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
-        self._pdmask_rollout: RolloutTopK | None = None
+        self._pdmask_rollout: Rollout | None = None
         super().__init__(*args_, **kwargs)
         vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
         if vocab is not None and a.rollout_top_k > vocab:
@@ -146,29 +146,30 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         comp_mask = out["completion_mask"].bool()
         if bool(((ids != comp) & mask & comp_mask).any()):
             raise RuntimeError("pdmask: captured sampled ids differ from TRL's completion ids")
-        out["rollout_logprobs"] = _pad_time(r.sampled_logprob.to(dev, torch.float32), T, 0.0)
+        # TRL shuffles and splits the inputs dict by key: the rollout travels as its tensors,
+        # under its own field names, and is put back together in _compute_loss
+        out["sampled_logprob"] = _pad_time(r.sampled_logprob.to(dev, torch.float32), T, 0.0)
         if r.topk_ids is not None:
-            out["rollout_topk_ids"] = _pad_time(r.topk_ids.to(dev), T, 0)
-            out["rollout_topk_logprobs"] = _pad_time(r.topk_logprobs.to(dev, torch.float32), T, float("-inf"))
+            out["topk_ids"] = _pad_time(r.topk_ids.to(dev), T, 0)
+            out["topk_logprobs"] = _pad_time(r.topk_logprobs.to(dev, torch.float32), T, float("-inf"))
         return out
 
     # ------------------------------------------------------------ loss
-    def _aggregation(self, mode: str, B: int, inputs) -> tuple[dict, float]:
-        """policy_loss aggregation kwargs and the divisor reproducing TRL's ``loss_type``."""
+    def _aggregation(self, mode: str, B: int, inputs) -> tuple[Aggregation, float]:
+        """The :class:`pdmask.Aggregation` and the divisor reproducing TRL's ``loss_type``."""
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         lt = self.loss_type
         if lt == "dapo":
             n = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 n = n * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            return {"loss_agg": "token-mean", "num_tokens": n}, 1.0
+            return Aggregation("token-mean", num_tokens=n), 1.0
         if lt == "bnpo":
-            return {"loss_agg": "token-mean"}, ga
+            return Aggregation("token-mean"), ga
         if lt == "grpo":
-            return {"loss_agg": "seq-mean-token-mean", "num_seqs": B}, ga
+            return Aggregation("seq-mean-token-mean", num_seqs=B), ga
         if lt == "dr_grpo":
-            return {"loss_agg": "seq-mean-token-sum-norm", "num_seqs": B,
-                    "loss_scale_factor": self.max_completion_length}, ga
+            return Aggregation("seq-mean-token-sum-norm", num_seqs=B, loss_scale_factor=self.max_completion_length), ga
         raise ValueError(f"loss_type: {lt!r} is not supported by the pdmask trainer")
 
     @staticmethod
@@ -203,24 +204,22 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
-        batch = (comp, inputs["rollout_logprobs"], inputs.get("rollout_topk_ids"),
-                 inputs.get("rollout_topk_logprobs"), inputs["advantages"], mask)
-        kw = dict(mode=a.mask_mode, estimator=a.mask_estimator, delta_low=a.mask_delta_low,
-                  delta_high=a.mask_delta_high, temperature=self.temperature, validate=a.mask_validate,
-                  **options.loss_kwargs(a), **options.sampling(a), **agg)
+        rollout = Rollout(comp, inputs["sampled_logprob"], inputs.get("topk_ids"), inputs.get("topk_logprobs"), mask)
+        # the config's one loss spec (built from self.args each time: they may change between steps)
+        adv, loss_fn = inputs["advantages"], options.loss_spec(a)
         if a.loss_from_hidden:
             T = comp.shape[1]
 
             def from_hidden(hidden, weight):  # runs inside the model's forward (hidden.py)
                 h = hidden[:, -(T + 1):-1, :]  # (B, T, H): position P-1+t predicts completion token t
-                return policy_loss_from_hidden(h, weight.to(h.dtype), *batch, chunk_rows=a.mask_chunk_size, **kw)
+                return loss_fn.from_hidden(h, weight.to(h.dtype), rollout, adv, aggregation=agg)
 
             with self.accelerator.autocast():
                 res = model(**self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)
             aux_loss = None  # refused at init (hidden.check_head)
         else:
             logits, aux_loss = self._completion_logits(model, inputs)
-            res = policy_loss(logits, *batch, chunk_size=a.mask_chunk_size, **kw)
+            res = loss_fn(logits, rollout, adv, aggregation=agg)
         self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
         loss = res.loss / divisor
         if aux_loss is not None:  # as TRL adds the MoE router loss: coef x aux / GA

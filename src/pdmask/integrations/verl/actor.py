@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ...rollout import Rollout
 from ...stats import token_stats
 from .losses import TOPK_STAT_KEYS, engine_without_topk, rollout_stats
 from .rollout import EXTRA_KEYS
@@ -114,7 +115,7 @@ def response_rows(data) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_rollout_topk(data) -> dict[str, torch.Tensor]:
     """Per-sample rollout arrays -> packed (N, ...) tensors aligned with the logits rows.
 
-    Returns ``topk_ids (N, K)``, ``topk_logprobs (N, K)``, ``rollout_logp (N,)``,
+    Returns ``topk_ids (N, K)``, ``topk_logprobs (N, K)``, ``sampled_logprob (N,)``,
     ``sampled_ids (N,)`` (the rollout's own record, for an alignment check) and
     ``valid (N,)`` bool (rows predicting a response token that the rollout generated).
     """
@@ -145,13 +146,13 @@ def pack_rollout_topk(data) -> dict[str, torch.Tensor]:
     out = {
         "topk_ids": torch.zeros(n, K, dtype=torch.int64, device=device),
         "topk_logprobs": torch.zeros(n, K, dtype=torch.float32, device=device),
-        "rollout_logp": torch.zeros(n, dtype=torch.float32, device=device),
+        "sampled_logprob": torch.zeros(n, dtype=torch.float32, device=device),
         "sampled_ids": torch.zeros(n, dtype=torch.int64, device=device),
         "valid": torch.zeros(n, dtype=torch.bool, device=device),
     }
     out["topk_ids"][r] = torch.cat(ids_c).to(device)
     out["topk_logprobs"][r] = torch.cat(lps_c).to(device)
-    out["rollout_logp"][r] = torch.cat(slp_c).to(device)
+    out["sampled_logprob"][r] = torch.cat(slp_c).to(device)
     out["sampled_ids"][r] = torch.cat(sid_c).to(device)
     out["valid"][r] = True
     return out
@@ -189,11 +190,12 @@ def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True
     if validate and bool(((local["sampled_ids"] != local["next_ids"]) & local["valid"]).any()):
         raise ValueError("pdmask_sampled_ids: the rollout's sampled tokens do not match the response tokens "
                          "of the batch (misaligned top-K; multi-turn or re-tokenised responses?)")
-    st = token_stats(
-        logits[None], local["next_ids"][None].to(logits.device), local["rollout_logp"][None].to(logits.device),
-        local["topk_ids"][None].to(logits.device), local["topk_logprobs"][None].to(logits.device),
-        response_mask=valid[None], temperature=1.0, validate=validate,
-    )
+    dev = logits.device
+    rollout = Rollout(sampled_ids=local["next_ids"][None].to(dev), sampled_logprob=local["sampled_logprob"][None].to(dev),
+                      topk_ids=local["topk_ids"][None].to(dev), topk_logprobs=local["topk_logprobs"][None].to(dev),
+                      response_mask=valid[None])
+    # the logits arrive temperature-scaled: the statistics are those at temperature 1
+    st = token_stats(logits[None], rollout, validate=validate)
     out = {}
     for k in TOPK_STAT_KEYS + ("entropy",):
         v = st[k]

@@ -46,7 +46,7 @@ import torch
 from ...directions import log_ratio as _log_ratio
 from ...keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
 from ...loss import mask_metrics, token_loss
-from ...masks import get_mode, mask_from_stats, resolve_thresholds
+from ...masks import Thresholds, get_mode, mask_from_stats
 from ...stats import binary_stats as _binary_stats
 from ...stats import capped_ratio
 
@@ -57,7 +57,7 @@ BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl")
 TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv")
 #: Per-token statistics the actor hook provides for the top-K modes (all (B, T)).
 TOPK_STAT_KEYS = (
-    "rollout_logp", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
+    "sampled_logprob", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
     *(ddot_key(d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS),
 )
 
@@ -158,7 +158,7 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
             raise ValueError(f"rollout_stats: {k!r} has shape {tuple(st[k].shape)}, log_prob has {shape}")
     valid = response_mask.bool()
     dt = log_prob.dtype
-    rlp = torch.where(valid, st["rollout_logp"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
+    rlp = torch.where(valid, st["sampled_logprob"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
     logp = torch.where(valid, log_prob.detach(), rlp)
     log_ratio = _log_ratio(logp, rlp)
     out = {k: st[k].to(dt) for k in TOPK_STAT_KEYS if k not in ("tail_clamped", "sampled_in_topk")}
@@ -176,7 +176,7 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
 def _thresholds(mode, config):
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    return resolve_thresholds(mode, dl, dh, 0.2, 0.2)
+    return Thresholds(dl, dh).resolve(mode)
 
 
 def masked_policy_loss(
