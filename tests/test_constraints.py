@@ -68,7 +68,5 @@ def test_ci_installs_with_the_constraints():
     assert COMMAND in CONSTRAINTS.read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="README.md's set-up line does not carry `-c constraints/cpu.txt` yet "
-                                       "(README's owner applies it; then remove this marker)")
 def test_readme_set_up_line_is_what_ci_runs():
     assert f"\n{COMMAND}\n" in (REPO / "README.md").read_text()

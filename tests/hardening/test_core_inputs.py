@@ -385,7 +385,7 @@ def hidden_call(hidden=None, weight=None, **kw):
     g = torch.Generator().manual_seed(3)
     h = torch.randn(B, T, H, generator=g) if hidden is None else hidden
     w = torch.randn(V, H, generator=g) if weight is None else weight
-    return pdmask.policy_loss_from_hidden(h, w, *[a[k] for k in POLICY_ARGS[1:]], **kw)
+    return flat.policy_loss_from_hidden(h, w, *[a[k] for k in POLICY_ARGS[1:]], **kw)
 
 
 def _with(shape, pos, val):

@@ -201,7 +201,7 @@ def test_jsonl_system_message(tmp_path):
 # ------------------------------------------------------------------ no signal
 def _rollout(rewards, G, T=3):
     from pdmask.engine.base import RolloutBatch
-    from pdmask.train.rollout import Rollout
+    from pdmask.train.rollout import RolloutStep
 
     r = torch.tensor(rewards, dtype=torch.float32)
     B = r.numel()
@@ -212,7 +212,7 @@ def _rollout(rewards, G, T=3):
     ro = Rollout(torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B, T, 1, dtype=torch.long),
                  torch.zeros(B, T, 1), response_mask=mask)
     batch = RolloutBatch(torch.zeros(B, T + 2, dtype=torch.long), torch.ones(B, T + 2), 2, ro)
-    return Rollout(batch, r, group_advantages(r, G), G)
+    return RolloutStep(batch, r, group_advantages(r, G), G)
 
 
 def test_zero_advantage_warning_counts():

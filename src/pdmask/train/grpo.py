@@ -44,7 +44,7 @@ from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
 from .progress import make_progress
-from .rollout import Rollout, greedy_eval, rollout_step, zero_advantage_warning
+from .rollout import RolloutStep, greedy_eval, rollout_step, zero_advantage_warning
 from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
@@ -237,7 +237,7 @@ def _mean(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([x.float() for x in xs]).mean()
 
 
-def step_metrics(rollout: Rollout, grad_norms: list[torch.Tensor], mismatch: dict[str, torch.Tensor],
+def step_metrics(rollout: RolloutStep, grad_norms: list[torch.Tensor], mismatch: dict[str, torch.Tensor],
                  loss_metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """The step's record, read back with one host sync: the rollout's metrics, the mean
     gradient norm, the first mini-batch's mismatch, and every loss metric over the

@@ -63,7 +63,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool =
 
 
 @dataclass
-class Rollout:
+class RolloutStep:
     """One rollout step's output: ``B = len(prompts) * group_size`` rows, groups consecutive."""
 
     batch: RolloutBatch  # tokens, log mu_k (B, T), top-K of mu (B, T, K)
@@ -85,7 +85,7 @@ class Rollout:
         return (self.rewards.reshape(-1, self.group_size).std(-1, unbiased=False) == 0).float().mean()
 
 
-def zero_advantage_warning(ro: Rollout) -> str | None:
+def zero_advantage_warning(ro: RolloutStep) -> str | None:
     """One line, with counts, when no response token of the batch has A != 0, else None.
 
     Every group is flat then (all its samples got the same reward), so the batch carries no
@@ -102,7 +102,7 @@ def zero_advantage_warning(ro: Rollout) -> str | None:
 
 
 def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str], reward_fn, *, group_size: int,
-                 max_new_tokens: int, seed: int, std_norm: bool = True, return_logits: bool = False) -> Rollout:
+                 max_new_tokens: int, seed: int, std_norm: bool = True, return_logits: bool = False) -> RolloutStep:
     """Sample ``group_size`` responses to each prompt, reward them, GRPO advantages.
 
     Args:
@@ -124,7 +124,7 @@ def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str]
     rewards = rewards_for(decode_responses(tokenizer, batch), [a for a in answers for _ in range(group_size)],
                           reward_fn)  # (B,)
     adv = group_advantages(rewards, group_size, std_norm=std_norm)  # (B,)
-    return Rollout(batch, rewards, adv, group_size)
+    return RolloutStep(batch, rewards, adv, group_size)
 
 
 @torch.no_grad()
