@@ -25,7 +25,11 @@ def test_cli_smoke(tmp_path, check_environment):
             "--bootstrap", "50", "--no-progress", "--set", f"cache_dir={tmp_path / 'cache'}"]
     for kv in TINY:
         args += ["--set", kv]
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    # the random tiny model never writes "answer: N": a reward that varies within a group, so
+    # the batches have tokens with A != 0 (the audit refuses to write tables without them)
+    (tmp_path / "sig_reward.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
+    args += ["--set", "reward=sig_reward:parity", "--lag", "1", "--set", "lr=0.05"]  # lag: D > delta somewhere
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(tmp_path), os.environ.get("PYTHONPATH", "")]),
            "PDMASK_CACHE": str(tmp_path / "cache")}
     res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -84,9 +88,11 @@ def test_audit_of_a_run_directory(tmp_path, smoke_cache):
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "smoke"
     out = tmp_path / "audit"
+    (tmp_path / "sig_reward.py").write_text("def parity(response, answer):\n    return float(len(response) % 2)\n")
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(tmp_path)])  # a reward with signal for this tiny model
     res = subprocess.run([sys.executable, "-m", "pdmask.cli", "audit", "--model", str(run), "--out", str(out),
-                          "--seeds", "1", "--delta", "1e-3", "--sample-tokens", "2", "--disagreement-tokens", "1",
-                          "--bootstrap", "20", "--no-progress", "--no-plots"],
+                          "--seeds", "1", "--delta", "1e-5", "--sample-tokens", "2", "--disagreement-tokens", "1",
+                          "--bootstrap", "20", "--no-progress", "--no-plots", "--set", "reward=sig_reward:parity"],
                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((out / "audit.json").read_text())

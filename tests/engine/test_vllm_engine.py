@@ -192,7 +192,7 @@ def test_seed_determinism(engine):
     b = engine.generate(PROMPTS, max_new_tokens=10, seed=7)
     c = engine.generate(PROMPTS, max_new_tokens=10, seed=8)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
-    assert torch.equal(a.sampled_logprob, b.sampled_logprob) and torch.equal(a.topk_ids, b.topk_ids)
+    assert torch.equal(a.rollout.sampled_logprob, b.rollout.sampled_logprob) and torch.equal(a.rollout.topk_ids, b.rollout.topk_ids)
     assert not torch.equal(a.sequences, c.sequences)
     # rows 0 and 2 share a prompt (a GRPO group): they must still be different samples
     assert not torch.equal(a.response_ids[0], a.response_ids[2])

@@ -262,8 +262,11 @@ def rollouts_md(seeds: list[dict]) -> list[str]:
     L = ["## Rollouts", "", f"Over the {len(seeds)} audited batches: mean (min - max over seeds).", "",
          "| quantity | value |", "|---|---|"]
     for label, key in rows:
-        vals = [1.0 - s["flat_group_frac"] if key is None else s.get(key) for s in seeds]
-        if key is None and any("flat_group_frac" not in s for s in seeds) or any(v is None for v in vals):
+        if key is None:
+            vals = [None if "flat_group_frac" not in s else 1.0 - s["flat_group_frac"] for s in seeds]
+        else:
+            vals = [s.get(key) for s in seeds]
+        if not vals or any(v is None for v in vals):  # a sampler that does not record it (older seeds, tests)
             continue
         L.append(f"| {label} | {sum(vals) / len(vals):.3g} ({min(vals):.3g} - {max(vals):.3g}) |")
     return L + [""]
