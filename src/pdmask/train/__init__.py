@@ -7,7 +7,7 @@ Stable entry points (the direction audit and notebooks import these):
 - :func:`ensure_sft_checkpoint` — the cached SFT base directory (``sft``).
 - :func:`load_model_and_tokenizer`, :func:`build_model`, :func:`encode_prompts` (``model``).
 - :func:`build_engine` — the rollout engine from a config (``pdmask.engine.registry``).
-- :func:`rollout_step` — generate -> rewards -> advantages, :class:`Rollout`;
+- :func:`rollout_step` — generate -> rewards -> advantages, :class:`RolloutStep`;
   :func:`group_advantages`, :func:`decode_responses`, :func:`rewards_for`,
   :func:`greedy_accuracy`, :func:`greedy_eval` (``rollout``).
 - :func:`compute_loss` — one trainer forward + ``pdmask.policy_loss`` on a rollout batch;
@@ -28,7 +28,7 @@ _EXPORTS = {
     "load_model_and_tokenizer": "model", "build_model": "model", "encode_prompts": "model",
     "group_advantages": "rollout", "decode_responses": "rollout", "rewards_for": "rollout",
     "greedy_accuracy": "rollout", "greedy_eval": "rollout", "eval_rewards": "tasks",
-    "rollout_step": "rollout", "Rollout": "rollout",
+    "rollout_step": "rollout", "RolloutStep": "rollout",
     "compute_loss": "update", "select": "update", "update_step": "update", "make_optimizer": "update",
     "latest_checkpoint": "checkpoint", "load_weights": "checkpoint", "is_run_dir": "checkpoint",
     "setup": "grpo", "Setup": "grpo", "train": "grpo",
