@@ -18,7 +18,7 @@ Only runs with a ``summary.json`` (finished) count; unfinished ones are listed i
 Writes ``--out``.json and ``--out``.md.
 
     python benchmarks/bench_batch_paired.py RUN_DIR --mode pdm-batch-topk-kl \\
-        --references dppo-topk-kl,pdm-topk-kl --label "stress" --out docs/batch-results/stress/paired
+        --references dppo-topk-kl,pdm-topk-kl --label "stress" --out docs/results/batch/stress/paired
 """
 
 from __future__ import annotations
