@@ -152,7 +152,9 @@ def test_missing_package_is_one_line_naming_the_install_command(monkeypatch):
 def test_missing_gguf_reader_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
-    with pytest.raises(ValueError, match=r"needs gguf; install them with `pip install 'pdmask\[real\]'`"):
+    from pdmask.engine.registry import MissingExtra
+
+    with pytest.raises(MissingExtra, match=r"needs gguf; install them with `pip install 'pdmask\[real\]'`"):
         nm._check_gguf_deps()
 
 

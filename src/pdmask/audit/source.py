@@ -123,10 +123,10 @@ def rollout_shape(ro, eos_id: int) -> dict:
     """What a rollout batch says about the task at this temperature: the share of responses
     that end (write EOS within the budget) and the engine's probability mass beyond its
     reported top-K, mean over response tokens (``1 - sum_k mu_k``)."""
-    b = ro.batch
-    m = b.response_mask.bool()
-    ended = ((b.response_ids == eos_id) & m).any(1)  # (B,)
-    tail = (1.0 - b.rollout.topk_logprobs.double().exp().sum(-1)).clamp_min(0.0)  # (B, T)
+    from ..train.rollout import response_shape
+
+    m = ro.batch.response_mask.bool()
+    ended, tail = response_shape(ro.batch, eos_id)  # (B,), (B, T)
     return {"finished_frac": float(ended.float().mean()),
             "tail_beyond_topk": float(tail[m].mean()) if bool(m.any()) else 0.0}
 

@@ -107,8 +107,10 @@ def _check_gguf_deps() -> None:
 
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
-        raise ValueError(f"model_path: reading a GGUF model needs {' and '.join(missing)}; "
-                         "install them with `pip install 'pdmask[real]'`")
+        from ..engine.registry import MissingExtra
+
+        raise MissingExtra("real", f"model_path: reading a GGUF model needs {' and '.join(missing)}; "
+                                   "install them with `pip install 'pdmask[real]'`")
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -85,6 +85,17 @@ class RolloutStep:
         return (self.rewards.reshape(-1, self.group_size).std(-1, unbiased=False) == 0).float().mean()
 
 
+def response_shape(batch: RolloutBatch, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ended (B,) bool, tail (B, T) float64)``: which responses write EOS within the budget,
+    and the engine's probability mass beyond its reported top-K per position,
+    ``1 - sum_k mu_k`` (what the engine's K leaves out; the core's ``rollout_tail_mass`` is
+    the mass beyond the top-K *and* the sampled token)."""
+    m = batch.response_mask.bool()
+    ended = ((batch.response_ids == eos_id) & m).any(1)
+    tail = (1.0 - batch.rollout.topk_logprobs.double().exp().sum(-1)).clamp_min(0.0)
+    return ended, tail
+
+
 def zero_advantage_warning(ro: RolloutStep) -> str | None:
     """One line, with counts, when no response token of the batch has A != 0, else None.
 

@@ -43,7 +43,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
     from ..stats import token_stats
     from .config import replace
     from .grpo import setup
-    from .rollout import rollout_step
+    from .rollout import response_shape, rollout_step
 
     if batches < 1:
         raise ValueError(f"batches: must be >= 1, got {batches}")
@@ -71,9 +71,10 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
                 st = token_stats(z, b.rollout, sampling=Sampling(temperature=cfg.temperature))
             rows["reward"].append(ro.rewards.numpy())
             rows["flat"].append(np.array([float(ro.flat_group_frac)]))
-            rows["ended"].append(((b.response_ids == eos) & m).any(1).float().numpy())
+            ended, tail = response_shape(b, eos)  # (B,), (B, T)
+            rows["ended"].append(ended.float().numpy())
             rows["length"].append(m.sum(1).float().numpy())
-            rows["tail"].append((1.0 - b.rollout.topk_logprobs.double().exp().sum(-1)).clamp_min(0)[m].numpy())
+            rows["tail"].append(tail[m].numpy())
             rows["entropy"].append(st["entropy"][m].numpy())
             for k in ("topk_kl", "full_kl", "binary_kl"):
                 rows[k].append(st[k][m].double().numpy())
