@@ -4,7 +4,7 @@ CI's main environment is installed with the constraints (``.ci/run``: ``pip inst
 torch==2.13.0 && pip install -e ".[train,test]" -c constraints/cpu.txt``), so the packages
 that decide the numbers must be installed at exactly the pinned versions: a run that
 reproduces the project's figures bit for bit needs them (docs/trainer.md, "Determinism").
-The extras' environments (.ci/trl.sh, verl.sh, vllm.sh, triton.sh) run their own test
+The extras' environments (.ci/trl.sh, verl.sh, vllm.sh, triton.sh, real.sh, lora.sh) run their own test
 files only, not this one.
 """
 

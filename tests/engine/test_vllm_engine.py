@@ -267,6 +267,34 @@ def test_load_weights_changes_outputs_to_new_weights_tied_without_lm_head(fresh_
     assert _check_engine_matches(fresh_engine, hf, PROMPTS, 0) < ATOL_FP32
 
 
+@pytest.mark.parametrize("over", [["lora_rank=4", "lora_alpha=8.0"], ["lora_rank=4", "lora_alpha=8.0", "train_blocks=1"]])
+def test_trainer_sync_of_a_lora_model_serves_the_merged_weights(fresh_engine, hf, over):
+    """The built-in trainer's sync (pdmask.train.trainable.engine_state_dict): the base
+    model's checkpoint keys (vLLM refuses any other), LoRA merged as W + s B A, so the
+    engine serves what the trainer's adapted model computes."""
+    pytest.importorskip("peft", reason="the LoRA sync test needs the 'lora' extra (peft; .ci/vllm.sh installs it)")
+    import copy
+
+    from pdmask.train.config import load_config
+    from pdmask.train.trainable import apply_variant, engine_state_dict
+
+    lora = apply_variant(copy.deepcopy(hf), load_config(None, over))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # B starts at 0 (the base model); a trained B moves the outputs
+        for n, p in lora.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    assert _check_engine_matches(fresh_engine, lora, PROMPTS, 0) > 0.05  # the adapters are visible
+    fresh_engine.load_weights(engine_state_dict(lora))
+    assert _check_engine_matches(fresh_engine, lora, PROMPTS, 0) < ATOL_FP32
+    batch = fresh_engine.generate(PROMPTS, max_new_tokens=6, seed=1, return_logits=True)
+    m = batch.response_mask
+    torch.testing.assert_close(batch.rollout.logits[m], torch.log_softmax(hf_logits(lora, batch), -1)[m],
+                               atol=ATOL_FP32, rtol=0)
+    with pytest.raises(ValueError, match="unexpected .*lora_A"):  # the adapted model's own dict is refused
+        fresh_engine.load_weights(lora.state_dict())
+
+
 def test_tied_lm_head_pitfall_is_real(fresh_engine, hf):
     # Why load_weights always sends lm_head.weight: vLLM's own reload without it keeps the
     # old output layer while the embedding changes. If vLLM fixes this, this test fails and

@@ -15,6 +15,10 @@ starting state of every seed's batch step, as it would be in training.
 Everything comes from the trainer's own seams, so the audit cannot drift from training:
 ``setup`` (model, tokenizer, task, AdamW, engine), ``rollout_step`` (generate -> rewards
 -> advantages), ``update_step`` (the lag steps) and ``checkpoint.load_weights``.
+
+Trainable-parameter variants (``train_blocks``, ``lora_*`` of the trainer config) come
+with ``setup``: the audit's steps move the parameters that train (``requires_grad``),
+with the AdamW state over those, and the engine holds the base model with LoRA merged.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     from ..train.model import num_params
     from ..train.rollout import rollout_step, zero_advantage_warning
     from ..train.sft import sft_info
+    from ..train.trainable import engine_state_dict, variant
 
     from ..train.named_models import resolve_model
 
@@ -83,11 +88,12 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     policy, engine, opt_state = S.model, S.engine, None  # the engine: a copy of the base weights
     if ckpt is not None:
         same_prec = load_config_value(Path(model) / "config.yaml", "engine_precision") == tcfg.engine_precision
-        done = load_weights(ckpt, policy, engine=engine if same_prec else None, optimizer=S.optimizer)
+        done = load_weights(ckpt, policy, engine=engine if same_prec else None, optimizer=S.optimizer,
+                            expect=variant(tcfg))
         if done["engine"]:
             ck["engine_weights"] = "from the checkpoint (as the run left them, possibly stale)"
         else:
-            engine.load_weights(policy.state_dict())
+            engine.load_weights(engine_state_dict(policy))  # LoRA merged: the engine holds the base model
             ck["engine_weights"] = f"the checkpoint's trainer weights at {tcfg.engine_precision}"
         if done["optimizer"]:
             opt_state = copy.deepcopy(S.optimizer.state_dict())

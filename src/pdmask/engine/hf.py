@@ -190,6 +190,23 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return out.logits  # (B, T, V)
 
 
+def response_hidden(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int):
+    """Final hidden states (B, T, H) at the response positions: what the LM head multiplies.
+
+    The forward of :func:`response_logits` without the head: the decoder
+    (``model.get_decoder()``, after its final norm) over ``sequences[:, :-1]``, then the
+    last T positions. Naive equivalent:
+    ``response_logits(...) == response_hidden(...) @ model.get_output_embeddings().weight.T``
+    (for a head without bias or logit scaling)."""
+    T = sequences.shape[1] - prompt_len
+    if T < 1:
+        raise ValueError("sequences: no response positions after prompt_len")
+    am = attention_mask[:, :-1]
+    out = model.get_decoder()(input_ids=sequences[:, :-1], attention_mask=am.long(), position_ids=position_ids(am),
+                              use_cache=False)
+    return out.last_hidden_state[:, -T:]  # (B, T, H)
+
+
 class HFEngine(RolloutEngine):
     """Rollout engine over a ``transformers`` causal LM with its own weight copy.
 
@@ -238,6 +255,18 @@ class HFEngine(RolloutEngine):
         self.version = 0  # bumped by every load_weights after the first
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy the trainer's weights in (cast to the precision). Every parameter must be
+        there (a tied head may be left out), and nothing else may be: a partial or foreign
+        dict would leave old weights in place without a word. A LoRA model's own
+        ``state_dict()`` is one of those; merge it first
+        (:func:`pdmask.train.trainable.engine_state_dict`)."""
+        have = set(state_dict)
+        missing = sorted({n for n, _ in self.model.named_parameters()} - have)  # tied duplicates counted once
+        unexpected = sorted(have - set(self.model.state_dict()))
+        if missing or unexpected:
+            raise ValueError(f"state_dict: does not fit the engine's {type(self.model).__name__}: missing "
+                             f"{missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+                             f"{'...' if len(unexpected) > 3 else ''} (LoRA adapters? merge them first)")
         apply_precision(self.model, state_dict, self.precision)
         self.version = getattr(self, "version", -1) + 1
 

@@ -2,14 +2,16 @@
 
 Contents (format 2):
 
-- ``model.safetensors``: the trainer's weights;
+- ``model.safetensors``: the trainer's weights (every tensor of its state dict: with LoRA
+  the frozen base weights and the adapters, so a checkpoint is complete on its own);
 - ``engine.safetensors``: the engine's own (possibly stale, low-precision) weights, when
   the backend exposes them;
 - ``optimizer.safetensors`` + ``optimizer.json``: the optimizer's ``state_dict``, its
   tensors in safetensors and everything else (param groups, hyperparameters, the nesting)
   as JSON that refers to the tensors by key (:func:`encode_tree`);
 - ``rng.safetensors`` + ``state.json``: the torch RNG state (a byte tensor), and as JSON
-  the step, the data position, the python and numpy RNG states and the caller's extras;
+  the step, the data position, the python and numpy RNG states and the caller's extras
+  (the trainer's include its trainable-parameter variant, checked on resume);
 - ``MANIFEST.json``, written last: the format, the step, and the SHA-256 and size of every
   file above.
 
@@ -310,17 +312,38 @@ def load_optimizer_state(path: str | Path) -> dict:
     return decode_tree(_load_json(p / "optimizer.json"), _load_tensors(p / "optimizer.safetensors"))
 
 
-def load_weights(path: str | Path, model, *, engine=None, optimizer=None) -> dict[str, bool]:
+def check_extras(path: str | Path, expect: dict) -> None:
+    """The checkpoint's extras hold ``expect`` (name -> value), or a ValueError naming the
+    first that differs. A name that is a trainer-config field and that an older
+    checkpoint lacks counts as the field's default: the checkpoint was written before the
+    field existed, so with its default."""
+    from .config import FIELDS
+
+    p = Path(path)
+    extra = decode_tree(_load_json(p / "state.json")["extra"], {})
+    for k, want in expect.items():
+        got = extra.get(k, FIELDS[k].default if k in FIELDS else None)
+        if got != want:
+            raise ValueError(f"{k}: checkpoint {p.name} was written with {k}={got!r}, this run has {k}={want!r}; "
+                             "resume with the settings the run was started with (its config.yaml)")
+
+
+def load_weights(path: str | Path, model, *, engine=None, optimizer=None, expect: dict | None = None
+                 ) -> dict[str, bool]:
     """Restore the weights of a checkpoint (no step, no RNG): the trainer's into ``model``,
     the engine's own into ``engine`` and the optimizer state into ``optimizer`` (each only
     when given and present in the checkpoint; the trainer's weights must be there).
-    The checkpoint's files are verified against their checksums first.
+    The checkpoint's files are verified against their checksums first, then its extras
+    against ``expect`` (:func:`check_extras`: e.g. the trainable-parameter variant, whose
+    frozen set and adapters decide which tensors the model and the optimizer hold).
 
     Returns which parts were restored: ``{"model": True, "engine": bool, "optimizer": bool}``
     (an engine without ``load_state_dict`` or a checkpoint without ``engine.safetensors``
     leaves the engine as it was: re-sync it from ``model`` if that matters).
     """
     p = _checked(path)
+    if expect:
+        check_extras(p, expect)
     model.load_state_dict(_load_tensors(p / "model.safetensors"))
     done = {"model": True, "engine": False, "optimizer": False}
     if engine is not None and (p / "engine.safetensors").exists() and hasattr(engine, "load_state_dict"):
@@ -332,11 +355,12 @@ def load_weights(path: str | Path, model, *, engine=None, optimizer=None) -> dic
     return done
 
 
-def load_checkpoint(path: str | Path, *, model, optimizer, engine=None) -> dict:
-    """Resume: restore model, optimizer, engine (:func:`load_weights`) and RNG states;
-    returns the state: ``step``, ``data_pos`` and the other extras given when saving."""
+def load_checkpoint(path: str | Path, *, model, optimizer, engine=None, expect: dict | None = None) -> dict:
+    """Resume: restore model, optimizer, engine (:func:`load_weights`, ``expect`` checked
+    first) and RNG states; returns the state: ``step``, ``data_pos`` and the other extras
+    given when saving."""
     p = _checked(path)
-    load_weights(p, model, engine=engine, optimizer=optimizer)
+    load_weights(p, model, engine=engine, optimizer=optimizer, expect=expect)
     state = _load_json(p / "state.json")
     set_rng_state(_rng_from_json(state["rng"], _load_tensors(p / "rng.safetensors")["torch"]))
     return {"step": state["step"], **decode_tree(state["extra"], {})}

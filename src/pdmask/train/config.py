@@ -77,6 +77,17 @@ class TrainConfig:
     adv_std_norm: bool = _f(True, "divide group advantages by the group std (GRPO); false: mean-centred only (Dr. GRPO)")
     max_new_tokens: int = _f(28, "response length cap")
     temperature: float = _f(1.0, "sampling temperature of the engine; the loss uses pi = softmax(logits / temperature)")
+    # ---------------------------------------------------------------- trainable parameters (docs/trainer.md)
+    train_blocks: int = _f(0, "train only the last N decoder blocks and the final norm (0: every parameter); the "
+                              "embeddings, lower blocks and LM head (tied or not) are frozen and not in the optimizer")
+    lora_rank: int = _f(0, "LoRA rank r: peft adapters on lora_targets in every block (in the last train_blocks "
+                           "blocks when that is set); only the adapters train (0: off; needs the 'lora' extra)")
+    lora_alpha: float = _f(16.0, "LoRA scale s = lora_alpha / lora_rank (adapter dropout is 0)")
+    lora_targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                           "comma-separated names of the block linears LoRA adapts (default: attention and MLP)")
+    loss_from: str = _f("logits", "logits: the loss reads the trainer's (B, T, V) logits; hidden: it reads the "
+                                  "final hidden states and the LM-head weight, and no (B, T, V) tensor enters the graph "
+                                  "(pdmask.policy_loss_from_hidden; not with full_logits or the pdm-batch-* modes)")
     # ---------------------------------------------------------------- loss / mask
     mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, ...)")
     estimator: str = _f("exact", "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated")
@@ -216,7 +227,44 @@ class TrainConfig:
         if self.shots < 0:
             raise ValueError(f"shots: must be >= 0, got {self.shots}")
         _validate_corrections(self)
+        _validate_trainable(self)
         return self
+
+
+def _validate_trainable(cfg: TrainConfig) -> None:
+    """The trainable-parameter variant (train_blocks, lora_*) and loss_from: ranges, and
+    the combinations the trainer cannot serve."""
+    from .. import MODES
+    from .trainable import LORA_TARGETS
+
+    for k in ("train_blocks", "lora_rank"):
+        if getattr(cfg, k) < 0:
+            raise ValueError(f"{k}: must be >= 0 (0: off), got {getattr(cfg, k)}")
+    if not (cfg.lora_alpha > 0 and math.isfinite(cfg.lora_alpha)):
+        raise ValueError(f"lora_alpha: must be a finite number > 0, got {cfg.lora_alpha}")
+    names = [t.strip() for t in cfg.lora_targets.split(",")]
+    if not all(t.isidentifier() for t in names):
+        raise ValueError(f"lora_targets: expected comma-separated module names (e.g. {','.join(LORA_TARGETS[:2])}), "
+                         f"got {cfg.lora_targets!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_targets: names a module twice: {cfg.lora_targets!r}")
+    if not cfg.lora_rank:  # no option silently ignored: the LoRA settings need LoRA on
+        for k in ("lora_alpha", "lora_targets"):
+            if getattr(cfg, k) != FIELDS[k].default:
+                raise ValueError(f"{k}: applies with lora_rank >= 1 only (LoRA is off); set lora_rank or remove {k}")
+    if not cfg.model_path and cfg.train_blocks > cfg.num_layers:
+        raise ValueError(f"train_blocks: the model has num_layers={cfg.num_layers} blocks, got {cfg.train_blocks}")
+    if cfg.loss_from not in ("logits", "hidden"):
+        raise ValueError(f"loss_from: unknown value {cfg.loss_from!r}; valid values are: logits, hidden")
+    needs = MODES[cfg.mode].needs if cfg.mode in MODES else ()
+    if cfg.loss_from == "hidden":
+        if "batch" in needs:
+            raise ValueError(f"loss_from: mode {cfg.mode!r} computes its batch direction on the logits of its own "
+                             "forward; use loss_from=logits")
+        if cfg.full_logits:
+            raise ValueError("loss_from: hidden takes no rollout logits, and full_logits=true is for them (the "
+                             f"*-full-* modes, the full-vocabulary mismatch metrics); use loss_from=logits "
+                             f"(mode {cfg.mode!r}) or full_logits=false")
 
 
 def corrections(cfg: TrainConfig):

@@ -2,12 +2,13 @@
 
 Per step::
 
-    sync      engine.load_weights(trainer)  if step % sync_every == 0   (else the engine lags)
+    sync      engine.load_weights(trainer, LoRA merged)  if step % sync_every == 0   (else the engine lags)
     rollout   prompts x group_size -> engine.generate -> tokens, log mu_k, top-K of mu
     reward    rule-based reward of each decoded response
     advantage GRPO: r - mean(group) [/ std(group)]          (the three: rollout.rollout_step)
     update    for each of `minibatches` slices (x epochs): one trainer forward ->
               pdmask.policy_loss(mode=cfg.mode) -> backward -> clip -> AdamW step
+              (over the trainable parameters: all, top-N blocks or LoRA; trainable.py)
                                                             (update.select, update.update_step)
     log       JSONL + TensorBoard; held-out greedy accuracy every eval_every steps
     save      resumable checkpoint every checkpoint_every steps
@@ -48,6 +49,7 @@ from .rollout import RolloutStep, greedy_eval, rollout_step, zero_advantage_warn
 from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
+from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
 from .update import compute_loss, make_optimizer, select, update_step
 
 # build_engine, compute_loss and select live in engine/registry.py and update.py; they
@@ -100,7 +102,8 @@ class Setup:
 
 
 def setup(cfg: TrainConfig, console=None) -> Setup:
-    """SFT base (cached), model + tokenizer, task, encoded prompts, AdamW, rollout engine."""
+    """SFT base (cached), model + tokenizer, task, encoded prompts, rollout engine, the
+    trainable-parameter variant (frozen blocks, LoRA adapters), AdamW over what trains."""
     torch.set_num_threads(cfg.threads)
     base = ensure_sft_checkpoint(cfg, console=console)
     model, tok = load_model_and_tokenizer(base, cfg.device)
@@ -109,8 +112,10 @@ def setup(cfg: TrainConfig, console=None) -> Setup:
     tr = encode_prompts(tok, task.train, use_chat_template=cfg.use_chat_template)
     ev = encode_prompts(tok, task.eval, use_chat_template=cfg.use_chat_template)
     check_lengths(cfg, model, tr, ev)
-    opt = make_optimizer(model, cfg)
+    # the engine copies the plain base model (it never holds adapters: syncs send merged weights)
     engine = build_engine(cfg, model, tok)
+    apply_variant(model, cfg)
+    opt = make_optimizer(model, cfg)
     return Setup(cfg, model, tok, engine, opt, task, get_reward(cfg.reward), tr, ev, base)
 
 
@@ -125,7 +130,9 @@ def open_run(cfg: TrainConfig, *, resume: bool, console) -> tuple[Setup, int]:
     S = setup(cfg, console)
     start = 0
     if ckpt is not None:
-        start = load_checkpoint(ckpt, model=S.model, optimizer=S.optimizer, engine=S.engine)["step"]
+        # the checkpoint must be of this variant (its frozen set and adapters), checked before loading
+        start = load_checkpoint(ckpt, model=S.model, optimizer=S.optimizer, engine=S.engine,
+                                expect=variant(cfg))["step"]
         truncate_jsonl(run_dir / "metrics.jsonl", start)
         console.print(f"resuming {run_dir} from step {start}")
     elif resume:
@@ -171,15 +178,16 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
 
     if start == 0:
         log.log({"step": 0, **evaluate(), "num_params": num_params(model),
+                 "num_trainable_params": sum(p.numel() for p in trainable_parameters(model)),
                  "sft_eval_accuracy": base.get("eval_greedy_accuracy")})
     t_run = time.time()
     with make_progress(cfg.progress, console) as prog:
         bar = prog.add_task(f"RL {cfg.run_name}", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
             t0 = time.time()
-            # --- sync: the engine gets the trainer's weights (cast to its precision)
+            # --- sync: the engine gets the trainer's weights (LoRA merged, cast to its precision)
             if step % cfg.sync_every == 0 and step > 0:
-                engine.load_weights(model.state_dict())
+                engine.load_weights(engine_state_dict(model))
             # --- rollout: group_size samples of each prompt (consecutive), rewards, GRPO advantages
             pidx = step_prompts(step, cfg, len(S.train_ids))
             ro = rollout_step(engine, tok, [S.train_ids[i] for i in pidx], [answers[i] for i in pidx], S.reward_fn,
@@ -221,7 +229,8 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
             # --- save: resumable checkpoint
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(run_dir, step=step + 1, model=model, optimizer=opt, engine=engine,
-                                extra={"data_pos": (step + 1) * cfg.prompts_per_step}, keep=cfg.keep_checkpoints)
+                                extra={"data_pos": (step + 1) * cfg.prompts_per_step, **variant(cfg)},
+                                keep=cfg.keep_checkpoints)
             prog.update(bar, advance=1, description=f"RL {cfg.run_name} reward {rec['reward']:.2f}"
                         + (f" eval {rec['eval_accuracy']:.2f}" if "eval_accuracy" in rec else ""))
     log.close()

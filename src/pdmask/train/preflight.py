@@ -27,6 +27,7 @@ import torch
 from ..engine.registry import check_backend
 from .named_models import gguf_path, is_named
 from .rundir import check_writable_dir
+from .trainable import import_peft
 
 
 def check_device(device: str) -> None:
@@ -125,6 +126,8 @@ def check_environment(cfg) -> None:
     :func:`check_cache` when it must be written)."""
     check_device(cfg.device)
     check_backend(cfg.engine)  # a backend's optional extra (engine=vllm: vLLM) is installed
+    if cfg.lora_rank:
+        import_peft()  # the 'lora' extra
     if cfg.task == "jsonl":
         check_file("train_file", cfg.train_file)
         if cfg.eval_file:

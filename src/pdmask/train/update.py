@@ -2,9 +2,11 @@
 
 - :func:`make_optimizer` — the trainer's AdamW (betas :data:`ADAMW_BETAS`).
 - :func:`select` — rows of a rollout batch (a mini-batch) with padding columns trimmed.
-- :func:`compute_loss` — one trainer forward, then :func:`pdmask.policy_loss`; for the
-  ``pdm-batch-*`` modes the batch direction is computed on that same forward first
-  (:func:`batch_forward`).
+- :func:`compute_loss` — one trainer forward (:func:`trainer_forward`), then the loss
+  (:func:`forward_loss`: :func:`pdmask.policy_loss` on the logits, or
+  :func:`pdmask.policy_loss_from_hidden` on the final hidden states with
+  ``loss_from=hidden``); for the ``pdm-batch-*`` modes the batch direction is computed on
+  that same forward first (:func:`batch_forward`).
 - :func:`update_step` — loss -> backward -> clip -> optimizer step (one mini-batch).
 
 The training loop (:mod:`.grpo`) and the direction audit's lag steps both update the
@@ -20,18 +22,22 @@ import torch
 
 from ..batchmask import BatchMask
 from ..engine.base import RolloutBatch
-from ..engine.hf import response_logits
+from ..engine.hf import response_hidden, response_logits
 from ..loss import PolicyLossOutput
 from ..masks import get_mode
 from .config import TrainConfig, loss_spec
+from .trainable import trainable_parameters
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The trainer's optimizer: ``AdamW(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS)``."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS)
+    """The trainer's optimizer over the trainable parameters only (frozen ones carry no
+    AdamW state): ``AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+    weight_decay=cfg.weight_decay, betas=ADAMW_BETAS)``."""
+    return torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             betas=ADAMW_BETAS)
 
 
 def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response_lens: list[int]) -> RolloutBatch:
@@ -74,14 +80,54 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
     """
     adv = advantages.to(batch.sequences.device)
-    extra, more = {}, {}
-    if is_batch_mode(cfg.mode):
+    if is_batch_mode(cfg.mode):  # loss_from=logits (the config refuses hidden here)
         logits, extra, more = batch_forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
-    else:
-        logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
-    out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
-    out.metrics.update(more)
-    return out
+        out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
+        out.metrics.update(more)
+        return out
+    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=validate)
+
+
+def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tensor:
+    """The trainer forward the loss reads: (B, T, V) logits (``loss_from=logits``) or
+    (B, T, H) final hidden states (``loss_from=hidden``), at the response positions."""
+    if cfg.loss_from == "hidden":
+        return response_hidden(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, H)
+    return response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
+
+
+def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
+                 validate: bool = False) -> PolicyLossOutput:
+    """The loss of :func:`trainer_forward`'s output ``x``.
+
+    ``loss_from=logits``: ``loss_spec(cfg)(x, rollout, A)``. ``loss_from=hidden``:
+    ``loss_spec(cfg).from_hidden(x, W, rollout, A)`` with ``W`` the LM-head weight. That
+    is the same loss as ``loss_spec(cfg)(x @ W.T, rollout, A)`` up to rounding, but the
+    (B, T, V) logits are made and reduced in column chunks and never kept for the
+    backward. The rollout's full logits, when present (the audit's oracle view), are
+    left out there. They feed only the ``*-full-*`` terms, which the config refuses with
+    ``loss_from=hidden``."""
+    spec = loss_spec(cfg, validate=validate)
+    if cfg.loss_from == "hidden":
+        r = batch.rollout if batch.rollout.logits is None else batch.rollout.replace(logits=None)
+        return spec.from_hidden(x, lm_head_weight(model), r, advantages)
+    return spec(x, batch.rollout, advantages)
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """The (V, H) LM-head weight, for ``loss_from=hidden``. The head must be a plain
+    product ``h @ W.T``: no bias, no logit scaling or soft-capping (one line naming
+    ``loss_from`` otherwise)."""
+    head = model.get_output_embeddings()
+    conf = getattr(model, "config", None)
+    extra = [k for k in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+             if getattr(conf, k, None) not in (None, 1, 1.0)]
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or extra:
+        why = (f"{', '.join(extra)} set" if extra else "a bias" if isinstance(head, torch.nn.Linear)
+               else f"a {type(head).__name__}")
+        raise ValueError(f"loss_from: hidden needs an LM head that is a plain h @ W.T; {type(model).__name__}'s "
+                         f"has {why}; use loss_from=logits")
+    return head.weight
 
 
 # ------------------------------------------------------------------ pdm-batch-* modes
@@ -150,6 +196,7 @@ def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, ad
     out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # the trained ones (frozen: no grad)
+    gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     optimizer.step()
     return out, gn.detach()
