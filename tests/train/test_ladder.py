@@ -71,6 +71,7 @@ def test_bad_specs_are_refused_naming_the_key(tmp_path, smoke_config, edit, over
 
 
 # ------------------------------------------------------------------ resume
+@pytest.mark.slow
 def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_path, cache_dir, smoke_config,
                                                                           check_environment):
     out = tmp_path / "out"
@@ -132,6 +133,7 @@ def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_pa
         run_ladder(load_spec(p, seeds=3, overrides=ov + ["lr=2e-3"]), out=out)
 
 
+@pytest.mark.slow
 def test_ladder_killed_mid_cell_resumes_without_rerunning(tmp_path, cache_dir, smoke_config, cli):
     """SIGKILL a ``--jobs 2`` ladder while its cells run; its training subprocesses die with
     it, and the next invocation resumes the partial cells from their checkpoints, starts
@@ -262,6 +264,7 @@ def test_report_numbers_on_constructed_runs(constructed):
     assert json.loads((out / "hard" / "summary.json").read_text())["across_seeds"]["reference"] == "dppo-topk-kl"
 
 
+@pytest.mark.slow
 def test_plot_data_and_png(constructed, tmp_path):
     spec, out = constructed
     rep = build_report(spec, out)
@@ -434,6 +437,7 @@ def _page(path):
     return [x for x in path.read_text().splitlines() if not x.startswith("Written by `pdmask ladder")]
 
 
+@pytest.mark.slow
 def test_report_dir_writes_the_page_with_its_records_and_report_only_rewrites_it(constructed, tmp_path, cli):
     """`--report-dir` writes the page and the records it is built from (no checkpoints) into
     a results folder; after the runs are gone, `--out <that folder> --report-only` rewrites the
