@@ -21,7 +21,7 @@ SPEC_OF = {
     "temperature": ("sampling", "temperature"),
     "sampling_top_k": ("sampling", "top_k"), "sampling_top_p": ("sampling", "top_p"),
     "sampling_min_p": ("sampling", "min_p"),
-    **{k: ("aggregation", k) for k in ("loss_agg", "num_tokens", "num_seqs", "loss_scale_factor")},
+    **{k: ("aggregation", k) for k in ("loss_agg", "num_tokens", "num_seqs", "loss_scale_factor", "dp_size")},
     "impl": ("compute", "impl"), "chunk_size": ("compute", "chunk_rows"), "chunk_rows": ("compute", "chunk_rows"),
     "chunk_cols": ("compute", "chunk_cols"),
 }

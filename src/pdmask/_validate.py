@@ -35,7 +35,17 @@ MATCH_RTOL = 2.0 ** -7
 
 from .keys import ESTIMATORS  # noqa: F401  (re-exported for the validators)
 from .rollout import Rollout
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: The aggregation modes (verl 0.9.1's ``agg_loss``) and the denominators of
+#: :class:`pdmask.Aggregation` each one reads, its count first (the count is required when
+#: ``dp_size > 1``); a denominator the mode does not read is refused, not ignored.
+LOSS_AGG_READS = {
+    "token-mean": ("num_tokens",),
+    "token-sum": (),
+    "seq-mean-token-mean": ("num_seqs",),
+    "seq-mean-token-sum": ("num_seqs",),
+    "seq-mean-token-sum-norm": ("num_seqs", "loss_scale_factor"),
+}
+LOSS_AGGS = tuple(LOSS_AGG_READS)
 
 
 @dataclass

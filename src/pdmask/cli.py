@@ -7,6 +7,7 @@ Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets li
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -14,6 +15,11 @@ from typing import List, Optional
 import typer
 
 from .engine.registry import MissingExtra
+
+def _command_line() -> str:
+    """This invocation as a shell line, for the pages that name the command that wrote them."""
+    return "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="pdmask: trust-region masks for LLM RL (built-in trainer, comparisons, reports).")
@@ -224,9 +230,6 @@ def task_stats_command(
 ):
     """Before training: the task's accuracy, groups with A != 0, finish rate, the policy's
     tail beyond the top-K and each engine's top-K KL quantiles (what a delta is chosen from)."""
-    import shlex
-    import sys
-
     from .train.task_stats import task_stats, write_task_stats
 
     cfg = _load(config, overrides, model)
@@ -234,7 +237,7 @@ def task_stats_command(
     try:
         doc = task_stats(cfg, precisions=[p.strip() for p in precisions.split(",") if p.strip()], batches=batches,
                          console=console)
-        files = write_task_stats(doc, out, "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+        files = write_task_stats(doc, out, _command_line())
     except ValueError as e:
         _fail(e)
     for f in files:
@@ -256,15 +259,20 @@ def ladder(
                                                               "or a named source (smollm2-135m); sets model_path"),
     plan: bool = typer.Option(False, "--plan", help="print every cell's status (done / partial / todo) and exit"),
     report_only: bool = typer.Option(False, "--report-only", help="rebuild the report without running anything"),
+    report_dir: Optional[str] = typer.Option(
+        None, "--report-dir", help="write the report into this folder instead of OUT, with the records it is "
+                                   "built from (per run config.yaml, metrics.jsonl, summary.json; the ladder's "
+                                   "log; no checkpoints), so that `--out DIR --report-only` rebuilds it from them"),
 ):
     """Run the mismatch ladder: every mode x seed on rungs of increasing engine mismatch.
 
     Resumable without a flag: finished cells are skipped, a killed cell resumes from its
     checkpoint, new modes/seeds/rungs run only their own cells. Writes OUT/ladder.md,
     ladder.json, ladder.png (accuracy and collapse rate vs measured mismatch) and per rung
-    the across-seed summary with paired tests against the spec's reference mode."""
+    the across-seed summary with paired tests against the spec's reference mode; with
+    --report-dir DIR, into DIR together with the runs' records (a results folder)."""
     from .train.ladder import load_spec, plan_cells, run_ladder, statuses
-    from .train.ladder_report import build_report
+    from .train.ladder_report import build_report, export_records
 
     try:
         if jobs < 1:
@@ -277,6 +285,8 @@ def ladder(
         sp = load_spec(p, modes=modes, seeds=seeds, overrides=overrides)
         rung_list = [r.strip() for r in rungs.split(",") if r.strip()] if rungs else None
         console = _console()
+        if plan and report_dir:
+            raise ValueError("report_dir: --plan writes nothing; drop --report-dir")
         if plan:
             cells = plan_cells(sp, Path(out or sp.out), rung_list)
             st = statuses(cells)
@@ -287,7 +297,13 @@ def ladder(
             return
         if not report_only:
             run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, console=console)
-        build_report(sp, out or sp.out, console=console)
+        src = Path(out or sp.out)
+        dest = Path(report_dir) if report_dir else src
+        if dest.resolve() != src.resolve():
+            # the page is built from the copied records, so a rebuild from them gives the same page
+            n = export_records(sp, src, dest)
+            console.print(f"copied the records of {n} runs from {src} to {dest}")
+        build_report(sp, dest, console=console, command=_command_line())
     except ValueError as e:
         _fail(e)
 

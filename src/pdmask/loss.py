@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops
-from ._validate import LOSS_AGGS, Batch, Checks, check_choice, check_count, check_device, prepare, prepare_rows
+from ._validate import LOSS_AGG_READS, LOSS_AGGS, Checks, check_choice, check_count, check_device, prepare, prepare_rows
 from .corrections import Corrections, apply_corrections, is_weight
 from .divergences import floor_neginf, masked_mean
 from .keys import BATCH_DDOT, ESTIMATORS
@@ -34,31 +34,54 @@ from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
 
 
 # ------------------------------------------------------------------ aggregation
+#: The denominators of :class:`Aggregation` (each None, a positive number or a 0-d tensor).
+COUNTS = ("num_tokens", "num_seqs", "loss_scale_factor")
+
+
 @dataclass(frozen=True)
 class Aggregation:
-    """How per-token losses reduce to a scalar (verl 0.9.1's modes; :func:`aggregate`).
+    """How per-token losses reduce to a scalar: verl 0.9.1's ``agg_loss``, every mode and
+    argument (:func:`aggregate`).
 
-    ``loss_agg``: ``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-    ``seq-mean-token-sum-norm``. ``num_tokens`` / ``num_seqs`` replace the local
-    denominators (global counts under data parallelism or gradient accumulation),
-    ``loss_scale_factor`` the ``-norm`` mode's T; each None, a positive finite number or a
-    one-element real tensor holding one (a tensor's value is checked with the call's data
-    checks). Checked here, once.
+    ``loss_agg``: ``token-mean``, ``token-sum``, ``seq-mean-token-mean``,
+    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``. ``num_tokens`` (token-mean) /
+    ``num_seqs`` (the seq-mean modes) replace the local denominators by global counts
+    (data parallelism, gradient accumulation; verl's ``batch_num_tokens`` /
+    ``global_batch_size``), ``loss_scale_factor`` the ``-norm`` mode's T; each None, a
+    positive finite number or a one-element real tensor holding one (a tensor's value is
+    checked with the call's data checks). A denominator the mode does not read is refused
+    (:data:`pdmask._validate.LOSS_AGG_READS`). ``dp_size`` (a positive int, verl's) multiplies
+    the loss, so that the data-parallel average of the ranks' gradients is the gradient of
+    the global aggregate; with ``dp_size > 1`` the mode's global count is required (a local
+    count times ``dp_size`` would weigh each rank by its own size). Checked here, once.
     """
 
     loss_agg: str = "token-mean"
     num_tokens: object = None
     num_seqs: object = None
     loss_scale_factor: object = None
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        for name in ("num_tokens", "num_seqs", "loss_scale_factor"):
+        for name in COUNTS:
             check_count(name, getattr(self, name))
+        reads = LOSS_AGG_READS[self.loss_agg]
+        for name in COUNTS:
+            if getattr(self, name) is not None and name not in reads:
+                readers = [a for a, r in LOSS_AGG_READS.items() if name in r]
+                raise ValueError(f"{name}: {self.loss_agg} does not read it (read by: {', '.join(readers)}); "
+                                 "leave it None")
+        dp = self.dp_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"dp_size: must be a positive int (the data-parallel world size), got {dp!r}")
+        if dp > 1 and reads and getattr(self, reads[0]) is None:
+            raise ValueError(f"{reads[0]}: required when dp_size > 1 (got dp_size={dp}): {self.loss_agg} then "
+                             "divides by the global count, which no rank can see locally")
 
     def check_values(self, checks: Checks) -> None:
         """The values of tensor denominators, into ``checks`` (no sync here)."""
-        for name in ("num_tokens", "num_seqs", "loss_scale_factor"):
+        for name in COUNTS:
             check_count(name, getattr(self, name), checks)
 
 
@@ -71,21 +94,27 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce per-token values to a scalar with verl's aggregation modes.
 
-    With ``m`` the mask, ``S_b = sum_t x_bt m_bt`` and ``n_b = sum_t m_bt``:
+    With ``m`` the mask, ``S_b = sum_t x_bt m_bt``, ``n_b = sum_t m_bt`` and ``D`` the
+    ``dp_size``:
 
-    - ``token-mean``: ``sum_b S_b / sum_b n_b`` (every token weighs the same; DAPO).
-    - ``seq-mean-token-mean``: mean over sequences with ``n_b > 0`` of ``S_b / n_b``
-      (original GRPO).
-    - ``seq-mean-token-sum``: mean over sequences with ``n_b > 0`` of ``S_b``.
+    - ``token-mean``: ``D sum_b S_b / sum_b n_b`` (every token weighs the same; DAPO).
+    - ``token-sum``: ``D sum_b S_b``.
+    - ``seq-mean-token-mean``: ``D`` times the mean over sequences with ``n_b > 0`` of
+      ``S_b / n_b`` (original GRPO). Here ``n_b`` exactly (``n_b >= 1`` on every counted
+      sequence); verl's ``agg_loss`` divides by ``n_b + 1e-8``, which for verl's bool mask is
+      a float32 that rounds back to ``n_b`` (the same number) and for a float64 mask differs
+      by at most ``1e-8`` relative.
+    - ``seq-mean-token-sum``: ``D`` times the mean over sequences with ``n_b > 0`` of ``S_b``.
     - ``seq-mean-token-sum-norm``: ``seq-mean-token-sum / loss_scale_factor``, the
       factor defaulting to the padded length T (Dr. GRPO; set it to a constant such as
       the max response length so the scale does not move with the batch).
 
     ``aggregation`` (:class:`Aggregation`; None: token-mean) names the mode and the
-    denominators; given ones are used as they are (a tensor's value is checked with a
-    host sync unless ``validate=False``). Padding is excluded with ``where``, so NaN/inf in
-    padded positions cannot leak. Empty batches give 0 (with the local counts).
-    Naive torch (token-mean): ``(x * m).sum() / m.sum()``.
+    denominators; given ones (``sum_b n_b`` by ``num_tokens``, the number of sequences by
+    ``num_seqs``) are used as they are (a tensor's value is checked with a host sync unless
+    ``validate=False``). Padding is excluded with ``where``, so NaN/inf in padded positions
+    cannot leak. Empty batches give 0 (with the local counts).
+    Naive torch (token-mean): ``(x * m).sum() / m.sum() * dp_size``.
     """
     agg = Aggregation() if aggregation is None else aggregation
     if not isinstance(agg, Aggregation):
@@ -94,21 +123,25 @@ def aggregate(
         checks = Checks()
         agg.check_values(checks)
         checks.run()
-    num_tokens, num_seqs, loss_scale_factor = agg.num_tokens, agg.num_seqs, agg.loss_scale_factor
+    num_tokens, num_seqs, loss_scale_factor, dp = agg.num_tokens, agg.num_seqs, agg.loss_scale_factor, agg.dp_size
     if token_values.dim() == 1:
         token_values, response_mask = token_values[None], response_mask[None]
     m = response_mask.bool()
     x = torch.where(m, token_values, torch.zeros_like(token_values))
+    # verl's order of operations (sum / count * dp_size, then / loss_scale_factor), so the
+    # two agree to the last bit where the sums do
+    if agg.loss_agg == "token-sum":
+        return x.sum() * dp
     if agg.loss_agg == "token-mean":
         den = _clamp1(m.sum(), x) if num_tokens is None else _given(num_tokens, x)
-        return x.sum() / den
+        return x.sum() / den * dp
     n_b = m.sum(-1)
     seq_ok = n_b > 0
     den = _clamp1(seq_ok.sum(), x) if num_seqs is None else _given(num_seqs, x)
     if agg.loss_agg == "seq-mean-token-mean":
         per_seq = x.sum(-1) / n_b.clamp(min=1).to(x.dtype)
-        return per_seq.sum() / den
-    out = x.sum() / den
+        return per_seq.sum() / den * dp
+    out = x.sum() / den * dp
     if agg.loss_agg == "seq-mean-token-sum-norm":
         scale = token_values.shape[-1] if loss_scale_factor is None else loss_scale_factor
         out = out / scale
@@ -262,9 +295,10 @@ class MaskedBatch:
 
     mode: MaskMode
     thresholds: Thresholds
-    batch: Batch  # flattened, sanitised inputs
+    valid: torch.Tensor  # (N,) bool: the response positions
+    lead_shape: tuple  # (B, T), or the caller's leading shape
     advantages: torch.Tensor  # (N,) 0 on padding
-    stats: dict  # stats_from_batch output
+    stats: dict  # stats_from_batch output, or the caller's (PolicyLoss.from_stats)
     mask: MaskResult
 
 
@@ -292,11 +326,11 @@ def advantage_limit(surrogate: str, is_cap: float, dtype: torch.dtype) -> float:
     return fi.max / (w * lp)
 
 
-def _check_advantage_scale(checks: Checks, adv, batch: Batch, surrogate: str, is_cap: float) -> None:
-    x = batch.logits if batch.hidden is None else batch.hidden
-    dtype = torch.promote_types(x.dtype, torch.float32)
+def _check_advantage_scale(checks: Checks, adv, valid, dtype: torch.dtype, surrogate: str, is_cap: float) -> None:
+    """``sum |A|`` within :func:`advantage_limit` of the loss's dtype (``dtype`` promoted to float32)."""
+    dtype = torch.promote_types(dtype, torch.float32)
     limit = advantage_limit(surrogate, is_cap, dtype)
-    total = torch.where(batch.valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
+    total = torch.where(valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
                                                                                device=adv.device)).sum()
     checks.add("advantages", f"sum of |A| over the response tokens exceeds {limit:.3g}, beyond which the "
                f"{str(dtype).removeprefix('torch.')} loss ({surrogate} surrogate, is_cap={is_cap:g}) could "
@@ -384,7 +418,8 @@ class PolicyLoss:
         if checks is not None:
             checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & batch.valid).any())
             if loss:  # a loss follows (the mask alone reads only the sign of A)
-                _check_advantage_scale(checks, adv, batch, mode.surrogate, self.corrections.is_cap)
+                x = batch.logits if batch.hidden is None else batch.hidden
+                _check_advantage_scale(checks, adv, batch.valid, x.dtype, mode.surrogate, self.corrections.is_cap)
             if aggregation is not None:
                 aggregation.check_values(checks)
             checks.run()
@@ -394,7 +429,7 @@ class PolicyLoss:
             ddot = ddot.to(stats["log_ratio"].dtype)
             stats[BATCH_DDOT] = torch.where(batch.valid, ddot, torch.zeros_like(ddot))
         res = mask_from_stats(stats, adv, mode, estimator=self.estimator, thresholds=self.thresholds)
-        return MaskedBatch(mode, self.thresholds, batch, adv, stats, res)
+        return MaskedBatch(mode, self.thresholds, batch.valid, batch.lead_shape, adv, stats, res)
 
     def __call__(self, logits, rollout: Rollout, advantages, *, batch_ddot=None,
                  aggregation: Aggregation | None = None) -> PolicyLossOutput:
@@ -417,32 +452,146 @@ class PolicyLoss:
     def mask(self, logits, rollout: Rollout, advantages, *, batch_ddot=None) -> torch.Tensor:
         """The mode's keep mask (:func:`trust_region_mask`)."""
         mb = self._masked(logits, rollout, advantages, batch_ddot, loss=False)
-        return (mb.mask.keep | ~mb.batch.valid).reshape(mb.batch.lead_shape)
+        return (mb.mask.keep | ~mb.valid).reshape(mb.lead_shape)
 
-    def _loss(self, mb: MaskedBatch, agg: Aggregation) -> PolicyLossOutput:
-        """Everything after the statistics and the token mask: corrections, surrogate, aggregation."""
+    def from_stats(self, stats: dict, advantages, response_mask, *, aggregation: Aggregation | None = None,
+                   is_weights=None, loss_weights=None) -> PolicyLossOutput:
+        """The loss from per-token statistics computed elsewhere: what a plugin calls whose
+        framework hands the loss log-probs, not logits (verl: :mod:`pdmask.integrations.verl`).
+
+        Everything after the statistics (the mode's mask, the corrections, the surrogate,
+        :func:`aggregate`, the metrics) is the code of :meth:`__call__`.
+
+        Args:
+            stats: dict of (B, T) tensors with :func:`pdmask.token_stats`'s keys: ``logp``
+                (``log pi_k``, the one differentiable entry: the gradient flows through it),
+                ``log_ratio`` (``log pi_k - log mu_k``), ``ratio``, ``entropy`` and what the
+                mode reads (its divergence and ``ddot_*`` keys; for the binary modes
+                :func:`pdmask.stats.binary_stats` gives them from log-probs alone). Padding
+                may hold anything finite that the mode can read; values are not checked.
+            advantages: (B, T) or (B,).
+            response_mask: (B, T) bool (or 0/1 numbers).
+            aggregation: replaces the configured :class:`Aggregation` for this call.
+            is_weights: (B, T) an IS weight computed elsewhere against the same mu as
+                ``log_ratio`` (verl's ``rollout_is_weights`` when mu is the ratio's anchor); it
+                replaces the surrogate's ``min(r, is_cap)``, and a weight of 0 masks the
+                token (metrics ``is_weight_mean``, ``masked_frac_is``). ``dppo`` surrogates with
+                the default IS weight only (anything else would apply two weights).
+            loss_weights: (B, T) a factor on each token's loss (a weight against another
+                policy than the ratio's anchor: verl's decoupled three-policy form).
+
+        Naive torch (``dppo`` surrogate, default corrections; ``w_is``, ``w_loss`` default 1)::
+
+            M = mask_from_stats(stats, A, mode, thresholds=th).keep & (w_is > 0)
+            w = w_is if is_weights is not None else stats["ratio"].clamp(max=is_cap)
+            loss = aggregate(where(M, -w * A * stats["logp"], 0) * w_loss, mask, aggregation)
+        """
+        mode = self.mask_mode
+        for name, cls in (("sampling", Sampling), ("compute", Compute)):
+            if getattr(self, name) != cls():
+                raise ValueError(f"{name}: from_stats takes statistics already computed, so a non-default "
+                                 f"{name} has nothing to apply to; compute the statistics with it instead")
+        agg = self.aggregation if aggregation is None else _spec("aggregation", aggregation, Aggregation)
+        if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2 or response_mask.is_complex():
+            got = (f"a {response_mask.dtype} tensor of shape {tuple(response_mask.shape)}"
+                   if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__)
+            raise ValueError(f"response_mask: must be a (B, T) bool or 0/1 tensor, got {got}")
+        lead = tuple(response_mask.shape)
+        if not isinstance(stats, dict):
+            raise ValueError(f"stats: must be a dict of (B, T) tensors, got {type(stats).__name__}")
+        wanted = ["logp", "log_ratio", "ratio", "entropy"]
+        if mode.needs:  # without its own divergence, a top-K mode would fall back to the binary one
+            wanted += [mode.divergence, getattr(mode.region, "divergence", None)]
+        if "batch" in mode.needs:
+            wanted.append(BATCH_DDOT)
+        missing = list(dict.fromkeys(k for k in wanted if k is not None and k not in stats))
+        if missing:
+            raise ValueError(f"stats: missing {', '.join(map(repr, missing))} (keys of pdmask.token_stats) that "
+                             f"mode {mode.name!r} reads")
+        for k, v in stats.items():
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != lead:
+                got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"stats: {k!r} must be a tensor of the response mask's shape {lead}, got {got}")
+            check_device(f"stats[{k!r}]", v, response_mask)
+        logp = stats["logp"]
+        if not logp.is_floating_point():
+            raise ValueError(f"stats: 'logp' must be floating-point, got {logp.dtype}")
+        if is_weights is not None:
+            if mode.surrogate != "dppo":
+                raise ValueError(f"is_weights: mode {mode.name!r} uses the {mode.surrogate} surrogate, whose ratio "
+                                 "is its weight; only the dppo surrogates take an IS weight")
+            if not self.corrections.default_weight:
+                raise ValueError("is_weights: replaces the token IS weight min(r, is_cap), but the corrections "
+                                 f"compute another weight ({self.corrections}); give one of the two")
+        weights = {}
+        for name, w in (("is_weights", is_weights), ("loss_weights", loss_weights)):
+            if w is None:
+                continue
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point() or tuple(w.shape) != lead:
+                got = f"a {w.dtype} tensor of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) \
+                    else type(w).__name__
+                raise ValueError(f"{name}: must be a floating-point tensor of shape {lead}, got {got}")
+            check_device(name, w, response_mask)
+            weights[name] = w.detach().reshape(-1).to(logp.dtype)
+        valid = response_mask.reshape(-1).bool()
+        adv = broadcast_advantages(advantages, lead, response_mask).reshape(-1).to(logp.dtype)
+        if self.validate:
+            checks = Checks()
+            if response_mask.dtype != torch.bool:
+                mv = response_mask.reshape(-1)
+                checks.add("response_mask", "must hold only 0/1 (or bool) values", ((mv != 0) & (mv != 1)).any())
+            checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & valid).any())
+            _check_advantage_scale(checks, adv, valid, logp.dtype, mode.surrogate, self.corrections.is_cap)
+            for name, w in weights.items():
+                checks.add(name, "must be finite and >= 0 on response tokens",
+                           (~(torch.isfinite(w) & (w >= 0)) & valid).any())
+            agg.check_values(checks)
+            checks.run()
+        adv = torch.where(valid, adv, torch.zeros_like(adv))
+        flat = {k: v.reshape(-1) for k, v in stats.items()}
+        try:
+            res = mask_from_stats(flat, adv, mode, estimator=self.estimator, thresholds=self.thresholds)
+        except KeyError as e:
+            raise ValueError(f"stats: missing {e.args[0]!r}, which mode {mode.name!r} (estimator "
+                             f"{self.estimator!r}) reads") from None
+        mb = MaskedBatch(mode, self.thresholds, valid, lead, adv, flat, res)
+        return self._loss(mb, agg, **weights)
+
+    def _loss(self, mb: MaskedBatch, agg: Aggregation, is_weights=None, loss_weights=None) -> PolicyLossOutput:
+        """Everything after the statistics and the token mask: corrections, surrogate, aggregation.
+        ``is_weights`` / ``loss_weights``: (N,) detached, from :meth:`from_stats`."""
         spec = self.corrections
-        batch, adv, stats, res, th = mb.batch, mb.advantages, mb.stats, mb.mask, mb.thresholds
-        lead = batch.lead_shape
+        valid, adv, stats, res, th = mb.valid, mb.advantages, mb.stats, mb.mask, mb.thresholds
+        lead = mb.lead_shape
         seq_shape = lead if len(lead) == 2 else (1, -1)  # (B, T); a flat batch is one sequence
-        valid2 = batch.valid.reshape(seq_shape)
+        valid2 = valid.reshape(seq_shape)
         corr = apply_corrections(spec, stats["log_ratio"].reshape(seq_shape), adv.reshape(seq_shape), valid2,
                                  surrogate=mb.mode.surrogate)
         weight = None if corr.weight is None else corr.weight.reshape(-1)
         ck = corr.keep.reshape(-1)
-        per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, res.keep & ck,
+        keep = res.keep & ck
+        if is_weights is not None:  # replaces the default weight min(r, C) (checked in from_stats)
+            weight = torch.where(valid, is_weights, torch.zeros_like(is_weights))
+            keep = keep & (weight > 0)  # a weight of 0 (verl's MIS) masks the token
+        per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, keep,
                                    surrogate=mb.mode.surrogate, is_cap=spec.is_cap, eps_low=th.eps_low,
                                    eps_high=th.eps_high, weight=weight)
         # A correction removes the token from the loss in every surrogate (ppo-clip keeps the
         # constant value of a clipped token, but a rejected one contributes nothing).
         per = torch.where(ck, per, torch.zeros_like(per))
+        if loss_weights is not None:
+            per = per * torch.where(valid, loss_weights, torch.zeros_like(loss_weights))
         keep_eff = keep_eff & ck
         per2 = per.reshape(seq_shape)
         loss = aggregate(per2, valid2, agg, validate=False)
-        metrics = mask_metrics(res, keep_eff, stats, adv, batch.valid)
+        metrics = mask_metrics(res, keep_eff, stats, adv, valid)
         metrics.update(corr.metrics)
+        if is_weights is not None:
+            metrics["is_weight_mean"] = masked_mean(weight, valid).detach()
+            metrics["masked_frac_is"] = ((weight <= 0) & valid).sum().to(weight.dtype).div(
+                valid.sum().clamp(min=1)).detach()
         metrics["loss"] = loss.detach()
-        return PolicyLossOutput(loss, metrics, per.reshape(lead), (keep_eff | ~batch.valid).reshape(lead),
+        return PolicyLossOutput(loss, metrics, per.reshape(lead), (keep_eff | ~valid).reshape(lead),
                                 unflatten(stats, lead))
 
 

@@ -75,7 +75,6 @@ def test_cli_bad_option_is_an_error(tmp_path):
     assert not (tmp_path / "audit").exists()  # refused before any work
 
 
-@pytest.mark.slow
 def test_audit_of_a_run_directory(tmp_path, smoke_cache):
     """`pdmask train` (smoke preset) then `pdmask audit --model RUN_DIR`: the run's config,
     trainer weights, stale engine weights and AdamW state are picked up."""
@@ -104,7 +103,6 @@ def test_audit_of_a_run_directory(tmp_path, smoke_cache):
     assert doc["settings"]["run"]["trainer_config"]["name"] == "smoke"
 
 
-@pytest.mark.slow
 def test_audit_grid_smoke(tmp_path, smoke_cache):
     """`pdmask audit-grid` on two tiny cells (tied / untied): grid.json, grid.md, grid.png,
     one report per cell; a rerun reuses every seed."""

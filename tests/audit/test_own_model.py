@@ -56,7 +56,6 @@ def _audit(tmp_path, model, extra=()):
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
 
 
-@pytest.mark.slow
 def test_audit_on_my_model_with_my_prompts_and_reward(tmp_path):
     model = _model_dir(tmp_path / "my-model", chat_template=True)
     res = _audit(tmp_path, model)

@@ -134,9 +134,22 @@ L3, L2, L5, L4 = -math.log(1 / 3), -math.log(.5), -math.log(.2), -math.log(.3)
     ("seq-mean-token-mean", (L2 / 3 + (L3 + L2) / 2) / 2),  # (.231049 + .895880) / 2 = .563464
     ("seq-mean-token-sum", (L2 + (L3 + L2)) / 2),  # 1.242453
     ("seq-mean-token-sum-norm", (L2 + (L3 + L2)) / 2 / 3),  # / T = 3 -> .414151
+    ("token-sum", L2 + L3 + L2),  # 2.484906
 ])
 def test_aggregations(agg, want):
     assert run("dppo-topk-kl", loss_agg=agg).loss.item() == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("agg,counts,want", [
+    # two data-parallel ranks, global counts 8 tokens / 3 sequences: D * S / N_global
+    ("token-mean", dict(num_tokens=8), 2 * (L2 + L3 + L2) / 8),  # .621227
+    ("token-sum", {}, 2 * (L2 + L3 + L2)),  # 4.969813
+    ("seq-mean-token-mean", dict(num_seqs=3), 2 * (L2 / 3 + (L3 + L2) / 2) / 3),  # .751286
+    ("seq-mean-token-sum", dict(num_seqs=3), 2 * (L2 + (L3 + L2)) / 3),  # 1.656604
+    ("seq-mean-token-sum-norm", dict(num_seqs=3, loss_scale_factor=4), 2 * (L2 + (L3 + L2)) / 3 / 4),  # .414151
+])
+def test_aggregations_over_two_ranks(agg, counts, want):
+    assert run("dppo-topk-kl", loss_agg=agg, dp_size=2, **counts).loss.item() == pytest.approx(want, rel=1e-12)
 
 
 def test_loss_values_per_mode():

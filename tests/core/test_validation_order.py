@@ -53,7 +53,9 @@ BAD_LOSS_ARGS = [
     ("eps_low", dict(eps_low=0.0)),
     ("eps_high", dict(eps_high=-1.0)),
     ("is_cap", dict(is_cap=0.0)),
-    ("loss_agg", dict(loss_agg="token-sum")),
+    ("loss_agg", dict(loss_agg="token-summ")),
+    ("num_tokens", dict(dp_size=2)),  # token-mean over 2 ranks needs the global token count
+    ("dp_size", dict(dp_size=0)),
     ("rollout.logits", dict(mode="pdm-full-kl")),  # the mode needs mu's full logits
     ("surrogate", dict(mode=pdmask.MaskMode("x", pdmask.ratio_region(), pdmask.ratio_sign(), "binary_kl",
                                             surrogate="ppo"))),
@@ -75,7 +77,8 @@ def test_policy_loss_checks_before_reducing(no_logits, name, kw):
         flat.policy_loss(*_args(), **kw)
 
 
-@pytest.mark.parametrize("name,kw", [x for x in BAD_LOSS_ARGS if x[0] not in ("is_cap", "loss_agg")],
+@pytest.mark.parametrize("name,kw", [x for x in BAD_LOSS_ARGS
+                                     if x[0] not in ("is_cap", "loss_agg", "num_tokens", "dp_size")],
                          ids=lambda x: x if isinstance(x, str) else "")
 def test_trust_region_mask_checks_before_reducing(no_logits, name, kw):
     with pytest.raises(ValueError, match=f"^{name}:"):

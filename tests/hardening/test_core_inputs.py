@@ -128,12 +128,18 @@ CASES = [
     ("loss_scale_factor 0", None, dict(loss_scale_factor=0, loss_agg="seq-mean-token-sum-norm"), "loss_scale_factor"),
     ("loss_scale_factor -4", None, dict(loss_scale_factor=-4.0, loss_agg="seq-mean-token-sum-norm"),
      "loss_scale_factor"),
-    ("loss_scale_factor nan", None, dict(loss_scale_factor=math.nan), "loss_scale_factor"),
-    ("loss_scale_factor inf", None, dict(loss_scale_factor=math.inf), "loss_scale_factor"),
-    ("loss_scale_factor str", None, dict(loss_scale_factor="8"), "loss_scale_factor"),
-    ("loss_scale_factor bool", None, dict(loss_scale_factor=True), "loss_scale_factor"),
-    ("loss_scale_factor t-2", None, dict(loss_scale_factor=torch.tensor(-2.0)), "loss_scale_factor"),
-    ("loss_scale_factor t nan", None, dict(loss_scale_factor=torch.tensor(math.nan)), "loss_scale_factor"),
+    ("loss_scale_factor nan", None, dict(loss_scale_factor=math.nan, loss_agg="seq-mean-token-sum-norm"),
+     "loss_scale_factor"),
+    ("loss_scale_factor inf", None, dict(loss_scale_factor=math.inf, loss_agg="seq-mean-token-sum-norm"),
+     "loss_scale_factor"),
+    ("loss_scale_factor str", None, dict(loss_scale_factor="8", loss_agg="seq-mean-token-sum-norm"),
+     "loss_scale_factor"),
+    ("loss_scale_factor bool", None, dict(loss_scale_factor=True, loss_agg="seq-mean-token-sum-norm"),
+     "loss_scale_factor"),
+    ("loss_scale_factor t-2", None, dict(loss_scale_factor=torch.tensor(-2.0), loss_agg="seq-mean-token-sum-norm"),
+     "loss_scale_factor"),
+    ("loss_scale_factor t nan", None,
+     dict(loss_scale_factor=torch.tensor(math.nan), loss_agg="seq-mean-token-sum-norm"), "loss_scale_factor"),
     ("num_tokens 0", None, dict(num_tokens=0), "num_tokens"),
     ("num_tokens -3", None, dict(num_tokens=-3), "num_tokens"),
     ("num_tokens nan", None, dict(num_tokens=math.nan), "num_tokens"),
@@ -145,9 +151,20 @@ CASES = [
     ("num_tokens bool t", None, dict(num_tokens=torch.tensor(True)), "num_tokens"),
     ("num_seqs 0", None, dict(num_seqs=0, loss_agg="seq-mean-token-mean"), "num_seqs"),
     ("num_seqs -1", None, dict(num_seqs=-1, loss_agg="seq-mean-token-sum"), "num_seqs"),
-    ("num_seqs nan", None, dict(num_seqs=math.nan), "num_seqs"),
-    ("num_seqs t-1", None, dict(num_seqs=torch.tensor(-1)), "num_seqs"),
-    ("num_seqs None in list", None, dict(num_seqs=[2]), "num_seqs"),
+    ("num_seqs nan", None, dict(num_seqs=math.nan, loss_agg="seq-mean-token-mean"), "num_seqs"),
+    ("num_seqs t-1", None, dict(num_seqs=torch.tensor(-1), loss_agg="seq-mean-token-sum"), "num_seqs"),
+    ("num_seqs None in list", None, dict(num_seqs=[2], loss_agg="seq-mean-token-mean"), "num_seqs"),
+    # a denominator the mode does not read, and the data-parallel multiplier
+    ("num_seqs unread", None, dict(num_seqs=4), "num_seqs"),
+    ("num_tokens unread", None, dict(num_tokens=4, loss_agg="token-sum"), "num_tokens"),
+    ("loss_scale_factor unread", None, dict(loss_scale_factor=8, loss_agg="seq-mean-token-sum"), "loss_scale_factor"),
+    ("dp_size 0", None, dict(dp_size=0), "dp_size"),
+    ("dp_size 2.0", None, dict(dp_size=2.0), "dp_size"),
+    ("dp_size bool", None, dict(dp_size=True), "dp_size"),
+    ("dp_size t2", None, dict(dp_size=torch.tensor(2)), "dp_size"),
+    ("dp_size 2 local tokens", None, dict(dp_size=2), "num_tokens"),
+    ("dp_size 2 local seqs", None, dict(dp_size=2, loss_agg="seq-mean-token-sum-norm", loss_scale_factor=8),
+     "num_seqs"),
     # inconsistent top-K and sampled token
     ("sampled in top-K, lp off by 0.5", _in_topk_mismatch(0.5), {}, "rollout_logprob"),
     ("sampled in top-K, lp off by 0.05", _in_topk_mismatch(0.05), {}, "rollout_logprob"),
@@ -221,7 +238,7 @@ def test_policy_loss_refuses(cid, base, over, arg):
 
 
 # the subset that trust_region_mask and token_stats share (no aggregation, no advantages in token_stats)
-SHARED = [c for c in CASES if c[3] not in ("loss_scale_factor", "num_tokens", "num_seqs", "is_cap")
+SHARED = [c for c in CASES if c[3] not in ("loss_scale_factor", "num_tokens", "num_seqs", "dp_size", "is_cap")
           and not c[0].startswith("adv list")]
 
 
@@ -300,7 +317,8 @@ def test_given_denominators_are_used_as_they_are():
 # ---------------------------------------------------------------- aggregate on its own
 AGG = [
     ("num_tokens", dict(num_tokens=0)), ("num_tokens", dict(num_tokens=-1.0)),
-    ("num_tokens", dict(num_tokens=torch.tensor(-1.0))), ("num_seqs", dict(num_seqs=math.nan)),
+    ("num_tokens", dict(num_tokens=torch.tensor(-1.0))),
+    ("num_seqs", dict(num_seqs=math.nan, loss_agg="seq-mean-token-sum")),
     ("num_seqs", dict(num_seqs=torch.tensor(math.inf), loss_agg="seq-mean-token-mean")),
     ("loss_scale_factor", dict(loss_scale_factor=0.0, loss_agg="seq-mean-token-sum-norm")),
     ("loss_scale_factor", dict(loss_scale_factor=torch.tensor(math.nan), loss_agg="seq-mean-token-sum-norm")),

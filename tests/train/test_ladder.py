@@ -71,6 +71,7 @@ def test_bad_specs_are_refused_naming_the_key(tmp_path, smoke_config, edit, over
 
 
 # ------------------------------------------------------------------ resume
+@pytest.mark.slow
 def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_path, cache_dir, smoke_config,
                                                                           check_environment):
     out = tmp_path / "out"
@@ -132,6 +133,7 @@ def test_new_rungs_seeds_modes_and_partial_cells_run_only_what_is_missing(tmp_pa
         run_ladder(load_spec(p, seeds=3, overrides=ov + ["lr=2e-3"]), out=out)
 
 
+@pytest.mark.slow
 def test_ladder_killed_mid_cell_resumes_without_rerunning(tmp_path, cache_dir, smoke_config, cli):
     """SIGKILL a ``--jobs 2`` ladder while its cells run; its training subprocesses die with
     it, and the next invocation resumes the partial cells from their checkpoints, starts
@@ -262,6 +264,7 @@ def test_report_numbers_on_constructed_runs(constructed):
     assert json.loads((out / "hard" / "summary.json").read_text())["across_seeds"]["reference"] == "dppo-topk-kl"
 
 
+@pytest.mark.slow
 def test_plot_data_and_png(constructed, tmp_path):
     spec, out = constructed
     rep = build_report(spec, out)
@@ -426,3 +429,63 @@ def test_pooled_flips_whole_seeds_and_keeps_a_balanced_design():
     rep2 = _rep({"a": {"ref": {0: 0.5}, "x": {1: 0.6}}})
     (r,) = pooled_vs_reference(rep2, n_boot=200)
     assert r["seeds"] == [] and r["diff"] is None and r["seeds_dropped"] == [0, 1]
+
+
+# ------------------------------------------------------------------ the results page from its records
+def _page(path):
+    """A page without its "Written by" line (the one line that names the invocation)."""
+    return [x for x in path.read_text().splitlines() if not x.startswith("Written by `pdmask ladder")]
+
+
+@pytest.mark.slow
+def test_report_dir_writes_the_page_with_its_records_and_report_only_rewrites_it(constructed, tmp_path, cli):
+    """`--report-dir` writes the page and the records it is built from (no checkpoints) into
+    a results folder; after the runs are gone, `--out <that folder> --report-only` rewrites the
+    same page from the records alone."""
+    run_cli, _ = cli
+    spec, out = constructed
+    spec_path = tmp_path / "s.yaml"
+    run0 = out / "hard" / "none-s0"
+    (run0 / "checkpoints").mkdir()
+    (run0 / "checkpoints" / "step-3.safetensors").write_bytes(b"\0" * 1000)
+    (out / "ladder_log.jsonl").write_text(json.dumps({"time": 0.0, "event": "start"}) + "\n"
+                                          + json.dumps({"time": 90.0, "event": "cell", "how": "fresh"}) + "\n")
+    results = tmp_path / "docs" / "results" / "ladder"
+    r = run_cli(["ladder", "--spec", spec_path, "--out", out, "--report-only", "--report-dir", results], cwd=tmp_path)
+    assert "copied the records of 48 runs" in r.stdout
+    page = results / "ladder.md"
+    first = page.read_text()
+    assert f"Written by `pdmask ladder --spec {spec_path} --out {out} --report-only --report-dir {results}`." in first
+    assert "| hard | none | 8 |" in first and "Machine time: 1.5 min over 1 invocation(s)" in first
+    assert (results / "ladder.png").exists() and (results / "hard" / "summary.md").exists()
+    assert sorted(p.name for p in (results / "hard" / "none-s0").iterdir()) == ["config.yaml", "metrics.jsonl",
+                                                                              "summary.json"]
+    assert not list(results.rglob("*.safetensors")) and not (out / "ladder.md").exists()  # OUT is not written
+    shutil.rmtree(out)  # the runs are gone: only the committed records remain
+    run_cli(["ladder", "--spec", spec_path, "--out", results, "--report-only"], cwd=tmp_path)
+    second = page.read_text()
+    assert f"Written by `pdmask ladder --spec {spec_path} --out {results} --report-only`." in second
+    assert _page(page) == [x for x in first.splitlines() if not x.startswith("Written by `pdmask ladder")]
+    assert json.loads((results / "ladder.json").read_text())["rungs"][1]["cells_done"] == 24
+
+
+def test_export_mirrors_every_run_and_drops_a_record_the_run_lost(constructed, tmp_path):
+    from pdmask.train.ladder_report import export_records
+
+    spec, out = constructed
+    dest = tmp_path / "results"
+    assert export_records(spec, out, dest) == 48
+    (out / "hard" / "none-s7" / "summary.json").unlink()  # the cell is unfinished again
+    assert export_records(spec, out, dest) == 48
+    assert not (dest / "hard" / "none-s7" / "summary.json").exists()
+    rep = build_report(spec, dest, plot=False)
+    assert any("hard/none-s7: unfinished" in n for n in rep["notes"]) and rep["rungs"][1]["cells_done"] == 23
+    with pytest.raises(ValueError, match="^out: .*is not a directory"):
+        export_records(spec, tmp_path / "nowhere", dest)
+
+
+def test_report_dir_with_plan_is_refused(tmp_path, smoke_config, cli):
+    run_cli, _ = cli
+    p = write_spec(tmp_path / "s.yaml", smoke_config)
+    r = run_cli(["ladder", "--spec", p, "--plan", "--report-dir", tmp_path / "r"], cwd=tmp_path, check=False)
+    assert r.returncode == 2 and "report_dir: --plan writes nothing" in r.stderr

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2",
         "train_size=300", "eval_size=8", "sft_steps=0", "prompts_per_step=2",
@@ -33,7 +31,6 @@ def test_training_on_a_flat_batch_warns_with_counts(tmp_path):
     assert "step 0:" in lines[0] and "all 2 groups are flat (0 of 8 samples rewarded" in lines[0]
 
 
-@pytest.mark.slow
 def test_the_audit_refuses_empty_tables(tmp_path):
     out = tmp_path / "audit"
     args = ["audit", "--out", str(out), "--seeds", "2", "--delta", "1e-4", "--sample-tokens", "2",

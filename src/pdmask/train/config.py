@@ -96,7 +96,7 @@ class TrainConfig:
     eps_low: float = _f(0.2, "grpo ratio clip below 1")
     eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
     is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
-    loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
+    loss_agg: str = _f("token-mean", "loss aggregation (verl's agg_loss modes): token-mean, token-sum, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
     # ---------------------------------------------------------------- off-policy corrections (docs/corrections.md)
     is_level: typing.Optional[str] = _f("token", "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is")
     is_floor: typing.Optional[float] = _f(None, "lower bound of the IS weight (null: none); TRL vllm_importance_sampling_clip_min")

@@ -49,6 +49,8 @@ from .config import FIELDS, TrainConfig, load_config, replace
 #: config keys that do not change a run's result (ignored when an existing cell is checked);
 #: keep_checkpoints only decides how many checkpoints stay on disk (its default went 1 -> 2
 #: after the first ladder cells were run)
+#: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
+LADDER_LOG = "ladder_log.jsonl"
 NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints")
 
 _SPEC_KEYS = ("name", "config", "modes", "seeds", "seed0", "reference", "collapse_drop", "set", "rungs", "out")
@@ -292,7 +294,7 @@ class _Lock:
 
 
 def _log_event(out: Path, **rec) -> None:
-    with open(out / "ladder_log.jsonl", "a") as f:
+    with open(out / LADDER_LOG, "a") as f:
         f.write(json.dumps({"time": time.time(), **rec}) + "\n")
 
 

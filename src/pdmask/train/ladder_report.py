@@ -6,6 +6,11 @@ named in the notes). Writes ``OUT/ladder.json``, ``OUT/ladder.md``, ``OUT/ladder
 and, per rung, the across-seed ``summary.json`` / ``summary.md`` of
 :mod:`pdmask.train.seed_summary` plus ``report/eval_accuracy_bands.png``.
 
+The report reads only the records :data:`RECORD_FILES` of each run and
+``OUT/ladder_log.jsonl``, never a checkpoint: :func:`export_records` copies them into a
+results folder (``pdmask ladder --report-dir``) so that the page there is rebuilt from
+what is committed next to it (``pdmask ladder --out DIR --report-only``).
+
 Definitions (also written into ``ladder.json``):
 
 - **measured mismatch of a rung**: per run, the mean over its RL steps of
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from ..significance import DEFAULT_N_BOOT
 from .environment import environment, environments_line, one_line, runs_environments
+from .ladder import LADDER_LOG
 from .logging import read_jsonl
 from .seed_summary import json_safe
 
@@ -40,6 +46,53 @@ N_BOOT = DEFAULT_N_BOOT
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
+
+
+#: The files of a run the report reads (config, per-step metrics, the run's summary): the
+#: records :func:`export_records` copies. Checkpoints and logs are not among them.
+RECORD_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+
+
+def export_records(spec, out: str | Path, dest: str | Path) -> int:
+    """Copy what :func:`build_report` reads from ``out`` into ``dest``, mirroring its layout:
+    for every rung of ``spec``, each run directory's :data:`RECORD_FILES` (a finished,
+    unfinished or foreign run alike, so that the report built from ``dest`` names the same
+    runs the same way), the rung's ``summary.json`` (an earlier writer's keys survive a
+    rebuild), and :data:`pdmask.train.ladder.LADDER_LOG`. A record a run no longer has is
+    removed from its copy; other files in ``dest`` are left alone. Returns the number of
+    runs copied.
+    Naive equivalent: ``rsync -a --include='*/' --include='{config.yaml,metrics.jsonl,summary.json}'
+    --exclude='*' out/ dest/``."""
+    import shutil
+
+    out, dest = Path(out), Path(dest)
+    if not out.is_dir():
+        raise ValueError(f"out: {str(out)!r} is not a directory; there are no runs to report")
+    n = 0
+    for rung in spec.rungs:
+        src = out / rung.name
+        if not src.is_dir():
+            continue
+        files = [(src / "summary.json", dest / rung.name / "summary.json")]
+        for d in sorted(p for p in src.iterdir() if p.is_dir()):
+            have = [f for f in RECORD_FILES if (d / f).is_file()]
+            if "config.yaml" not in have and "metrics.jsonl" not in have:
+                continue  # not a run (the rung's report/ folder)
+            n += 1
+            for f in RECORD_FILES:
+                target = dest / rung.name / d.name / f
+                if f in have:
+                    files.append((d / f, target))
+                elif target.is_file():
+                    target.unlink()
+        for a, b in files:
+            if a.is_file():
+                b.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(a, b)
+    if (out / LADDER_LOG).is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / LADDER_LOG, dest / LADDER_LOG)
+    return n
 
 
 def run_extras(run: Path) -> dict:
@@ -132,8 +185,9 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
     return runs, notes
 
 
-def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> dict:
-    """Assemble (and write) the ladder report from the finished cells under ``out``."""
+def build_report(spec, out: str | Path, *, console=None, plot: bool = True, command: str | None = None) -> dict:
+    """Assemble (and write) the ladder report from the finished cells under ``out``;
+    ``command``, the command line that writes it, is named at the page's top."""
     from ..significance import clopper_pearson, mcnemar_exact
     from .ladder import plan_cells
     from .ladder_pooled import pooled_vs_reference
@@ -209,7 +263,8 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True) -> d
                                        "collapse": {"only_mode": b, "only_reference": c, "n": len(common),
                                                     "p": mcnemar_exact(b, c)}}
             entry["modes"].append(row)
-    rep = json_safe({"name": spec.name, "reference": spec.reference, "collapse_drop": spec.collapse_drop,
+    rep = json_safe({"name": spec.name, "command": command, "reference": spec.reference,
+                     "collapse_drop": spec.collapse_drop,
                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
                      "definitions": DEFINITIONS | {"collapse": DEFINITIONS["collapse"].format(d=spec.collapse_drop)},
                      "wall": wall_times(out),
@@ -248,7 +303,7 @@ DEFINITIONS = {
 def wall_times(out: Path) -> dict:
     """From ``ladder_log.jsonl``: invocations, cells run (fresh / resumed) and the machine
     time they took (an invocation killed before its end counts up to its last event)."""
-    recs = read_jsonl(Path(out) / "ladder_log.jsonl")
+    recs = read_jsonl(Path(out) / LADDER_LOG)
     total, inv, cur = 0.0, 0, None
     fresh = resumed = 0
     cell_s = 0.0
@@ -372,7 +427,10 @@ def ladder_markdown(rep: dict) -> str:
     w = rep["wall"]
     groups = rep.get("runs_environments") or []
     env = groups[0]["environment"] if len(groups) == 1 and groups[0]["environment"] else rep.get("environment")
-    lines = [f"# Mismatch ladder `{rep['name']}`", "", one_line(env), ""]
+    lines = [f"# Mismatch ladder `{rep['name']}`", ""]
+    if rep.get("command"):
+        lines += [f"Written by `{rep['command']}`.", ""]
+    lines += [one_line(env), ""]
     if environments_line(groups):
         lines += [environments_line(groups).replace("summary.json", "ladder.json"), ""]
     lines += [f"Reference mode: {rep['reference']}; {rep['seeds_planned']} seeds planned per cell"

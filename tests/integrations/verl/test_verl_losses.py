@@ -125,3 +125,88 @@ def test_errors_name_the_argument():
     topk = _verl_loss("pdmask_pdm_topk_kl")
     with pytest.raises(ValueError, match="model_type=pdmask_language_model"):
         topk(rlp, lp, adv, mask, "token-mean", actor_config(), None)
+
+
+# ---------------------------------------------------------------- the aggregation is verl's agg_loss
+#: every agg_loss mode, with verl's global_batch_info as ppo_loss fills it (every key, every mode)
+AGG_CASES = [(agg, info) for agg in ["token-mean", "token-sum", *AGGS[1:]] for info in (
+    {},  # local counts (dp_size 1, no global counts)
+    {"dp_size": 1, "batch_num_tokens": 23, "global_batch_size": 9, "loss_scale_factor": None},
+    {"dp_size": 4, "batch_num_tokens": 61, "global_batch_size": 13, "loss_scale_factor": 12},
+)]
+
+
+@pytest.mark.parametrize("agg,info", AGG_CASES, ids=[f"{a}-{i % 3}" for i, (a, _) in enumerate(AGG_CASES)])
+def test_aggregation_equals_verl_agg_loss(agg, info):
+    """pdmask.aggregate with the plugin's Aggregation equals verl's real agg_loss, mode by
+    mode, local and data-parallel, to the last bits (float64 sums in another order).
+
+    seq-mean-token-mean: verl divides by ``n_b + 1e-8``, pdmask by ``n_b`` exactly. With the
+    bool response mask verl's ppo_loss passes, verl's ``n_b`` is an int64 count and
+    ``n_b + 1e-8`` a float32 that rounds back to ``n_b``: the same number. With a float64
+    mask the two differ, by at most 1e-8 relative."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    from pdmask.integrations.verl.losses import aggregation
+
+    g = torch.Generator().manual_seed(len(info) + len(agg))
+    x = torch.randn(5, 7, generator=g, dtype=torch.float64) * 3
+    mask = torch.rand(5, 7, generator=g) > 0.4
+    mask[0], mask[1, :2] = False, True  # an empty sequence: verl's seq_mask leaves it out, as pdmask does
+    # finite padding junk: both exclude it (verl's seq-mean modes multiply by the mask, so a
+    # NaN there would reach verl's sum; pdmask's where() excludes even that)
+    x = torch.where(mask, x, torch.full_like(x, 1e6))
+    ours = pdmask.aggregate(x, mask, aggregation(agg, info))
+    theirs = agg_loss(loss_mat=x, loss_mask=mask, loss_agg_mode=agg, **info)
+    torch.testing.assert_close(ours, theirs.double(), rtol=1e-14, atol=0)
+    if agg == "seq-mean-token-mean":
+        theirs64 = agg_loss(loss_mat=x, loss_mask=mask.double(), loss_agg_mode=agg, **info)
+        # |ours - theirs64| = |D/G sum_b S_b/n_b * 1e-8/(n_b + 1e-8)| <= 1e-8 * the same mean of |x|
+        bound = 1e-8 * pdmask.aggregate(x.abs(), mask, aggregation(agg, info))
+        assert 0 < abs(float(ours - theirs64)) <= float(bound) * (1 + 1e-12)
+        n = mask.sum(-1).double()
+        S = torch.where(mask, x, 0.0).sum(-1)
+        exact = info.get("dp_size", 1) * (S[n > 0] / n[n > 0]).sum() / info.get("global_batch_size", (n > 0).sum())
+        torch.testing.assert_close(ours, exact.double(), rtol=1e-15, atol=0)  # pdmask's is n_b exactly
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", *AGGS[1:]])
+def test_registered_loss_aggregates_like_agg_loss_under_data_parallelism(agg):
+    """The whole registered loss with dp_size 4 and global counts: verl's agg_loss of the
+    plugin's own per-token loss (PolicyLossOutput.token_loss) is the plugin's loss."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    logits, ids, rlp, adv, mask, _ = binary_batch(seed=6)
+    info = {"dp_size": 4, "batch_num_tokens": 50, "global_batch_size": 11, "loss_scale_factor": 16}
+    cfg = actor_config(agg=agg, global_batch_info=info)
+    loss, _, _ = _call("pdmask_dppo_binary_kl", logits, ids, rlp, adv, mask, cfg)
+    ref, _ = _pdmask("dppo-binary-kl", logits, ids, rlp, adv, mask)
+    theirs = agg_loss(loss_mat=ref.token_loss, loss_mask=mask, loss_agg_mode=agg, **info)
+    torch.testing.assert_close(loss, theirs, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("agg,info,key", [
+    ("token-mean", {"dp_size": 2, "batch_num_tokens": None, "global_batch_size": 8}, "batch_num_tokens"),
+    ("seq-mean-token-sum", {"dp_size": 2, "batch_num_tokens": 30, "global_batch_size": None}, "global_batch_size"),
+    ("token-mean", {"dp_size": 1, "batch_num_tokens": 0}, "batch_num_tokens"),
+    ("seq-mean-token-sum-norm", {"loss_scale_factor": -1.0}, "loss_scale_factor"),
+    ("token-sum", {"dp_size": 0}, "dp_size"),
+])
+def test_global_batch_info_errors_name_verls_key(agg, info, key):
+    """verl requires the global counts when dp_size > 1 (its agg_loss raises too); the error
+    is one line naming verl's key, not the core's field."""
+    logits, ids, rlp, adv, mask, _ = binary_batch()
+    with pytest.raises(ValueError) as e:
+        _call("pdmask_dppo_binary_tv", logits, ids, rlp, adv, mask, actor_config(agg=agg, global_batch_info=info))
+    msg = str(e.value)
+    assert msg.startswith(f"config.global_batch_info[{key!r}]:") and "\n" not in msg, msg
+
+
+def test_unknown_global_batch_info_key_and_mode_are_refused():
+    logits, ids, rlp, adv, mask, _ = binary_batch()
+    with pytest.raises(ValueError, match=r"^config.global_batch_info: unknown key\(s\) 'cp_size'"):
+        _call("pdmask_dppo_binary_tv", logits, ids, rlp, adv, mask, actor_config(global_batch_info={"cp_size": 2}))
+    from pdmask.integrations.verl.losses import aggregation
+
+    with pytest.raises(ValueError, match="^loss_agg_mode: unknown value 'seq-sum'"):
+        aggregation("seq-sum", {})

@@ -27,12 +27,17 @@ logits, no top-K. Hence two kinds of modes:
 Thresholds use verl's DPPO convention (``verl/trainer/ppo/core_algos.py:
 compute_policy_loss_dppo_tv``): ``actor.clip_ratio_low`` / ``clip_ratio_high`` are the
 divergence thresholds delta for A < 0 / A > 0, ``actor.clip_ratio_c`` is the IS cap C.
-The per-token math is pdmask's: statistics from :func:`pdmask.stats.binary_stats` (binary)
-or :func:`pdmask.token_stats` (top-K), the mask from
-:func:`pdmask.mask_from_stats`, the surrogate from :func:`pdmask.token_loss`, the
-diagnostics from :func:`pdmask.loss.mask_metrics`; only the aggregation is verl's own
-``agg_loss(..., **config.global_batch_info)`` so the loss is normalised over the global
-batch exactly like verl's built-in losses under data parallelism and micro-batching.
+The loss is the core's pipeline, not a copy of it: statistics from
+:func:`pdmask.stats.binary_stats` (binary) or the actor hook's top-K reductions (top-K),
+then :meth:`pdmask.PolicyLoss.from_stats` (mask, corrections, surrogate, aggregation,
+metrics), with verl's ``agg_loss`` arguments (``loss_agg_mode`` and
+``config.global_batch_info``: ``dp_size``, the global ``batch_num_tokens`` /
+``global_batch_size``, ``loss_scale_factor``) mapped onto one :class:`pdmask.Aggregation`
+(:func:`aggregation`), so the loss is normalised over the global batch exactly like verl's
+built-in losses under data parallelism and micro-batching. ``seq-mean-token-mean`` divides
+each sequence by its token count ``n_b``, ``agg_loss`` by ``n_b + 1e-8``: on verl's bool
+response mask that is a float32 equal to ``n_b``, so the two agree to the last bits (on a
+float64 mask they would differ by at most 1e-8 relative; tests/integrations/verl).
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..._validate import LOSS_AGG_READS, LOSS_AGGS, check_choice
+from ...corrections import Corrections
 from ...directions import log_ratio as _log_ratio
 from ...keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
-from ...loss import mask_metrics, token_loss
-from ...masks import Thresholds, get_mode, mask_from_stats
+from ...loss import Aggregation, PolicyLoss
+from ...masks import Thresholds, get_mode
 from ...stats import binary_stats as _binary_stats
 from ...stats import capped_ratio
 
@@ -173,10 +180,53 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
 
 
 # ------------------------------------------------------------------ the loss
-def _thresholds(mode, config):
+#: verl's ``config.global_batch_info`` keys (filled by ``workers/utils/losses.py:ppo_loss`` for
+#: ``agg_loss``) -> the :class:`pdmask.Aggregation` fields they become.
+GLOBAL_BATCH_INFO = {"dp_size": "dp_size", "batch_num_tokens": "num_tokens", "global_batch_size": "num_seqs",
+                     "loss_scale_factor": "loss_scale_factor"}
+
+
+def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregation:
+    """verl's ``agg_loss(loss_agg_mode=..., **global_batch_info)`` as one :class:`pdmask.Aggregation`.
+
+    verl fills every key for every mode and ``agg_loss`` reads the ones its mode needs
+    (``batch_num_tokens`` in token-mean, ``global_batch_size`` in the seq-mean modes,
+    ``loss_scale_factor`` in ``seq-mean-token-sum-norm``, ``dp_size`` in all); exactly those
+    are passed on (:data:`pdmask._validate.LOSS_AGG_READS`), so the loss is normalised over the
+    global batch as verl's built-in losses are. A key verl 0.9.1 does not set is refused (a
+    newer verl's normalisation must not be dropped unseen); with ``dp_size > 1`` the mode's
+    global count is required, as in verl. Errors name the key:
+    ``config.global_batch_info['batch_num_tokens']: required when dp_size > 1 ...``.
+    Naive equivalent: ``Aggregation(loss_agg_mode, num_tokens=info["batch_num_tokens"], ...)``.
+    """
+    check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGGS)
+    info = dict(global_batch_info or {})
+    unknown = sorted(set(info) - set(GLOBAL_BATCH_INFO))
+    if unknown:
+        raise ValueError(f"config.global_batch_info: unknown key(s) {', '.join(map(repr, unknown))}; pdmask maps "
+                         f"{', '.join(GLOBAL_BATCH_INFO)} (verl 0.9.1's) onto pdmask.Aggregation")
+    reads = LOSS_AGG_READS[loss_agg_mode]
+    kw = {f: info[k] for k, f in GLOBAL_BATCH_INFO.items()
+          if info.get(k) is not None and (f == "dp_size" or f in reads)}
+    try:
+        return Aggregation(loss_agg_mode, **kw)
+    except ValueError as e:  # the core names its field; name verl's key instead
+        field, _, msg = str(e).partition(": ")
+        key = {f: k for k, f in GLOBAL_BATCH_INFO.items()}.get(field)
+        if key is None:
+            raise
+        raise ValueError(f"config.global_batch_info[{key!r}]: {msg}") from None
+
+
+def policy_loss_spec(mode_name: str, estimator: str, config, loss_agg_mode: str) -> PolicyLoss:
+    """The one :class:`pdmask.PolicyLoss` of a verl call: verl's DPPO fields as the thresholds
+    (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to ``clip_ratio``) and the IS
+    cap (``clip_ratio_c``), ``config.global_batch_info`` as the aggregation (:func:`aggregation`)."""
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    return Thresholds(dl, dh).resolve(mode)
+    return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh),
+                      corrections=Corrections(is_cap=float(config.clip_ratio_c)),
+                      aggregation=aggregation(loss_agg_mode, config.global_batch_info))
 
 
 def masked_policy_loss(
@@ -193,47 +243,35 @@ def masked_policy_loss(
     has_entropy: bool,
     replace_weight: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """pdmask mask + DPPO surrogate on verl's (B, T) tensors, aggregated by verl's ``agg_loss``.
+    """pdmask's loss on verl's (B, T) tensors: :meth:`pdmask.PolicyLoss.from_stats`, the
+    core's pipeline (mask, corrections, surrogate, aggregation), with verl's
+    ``agg_loss`` arguments as its :class:`pdmask.Aggregation`; nothing is aggregated here.
 
-    Binary modes: ``loss = agg_loss(-M * sg(min(r, C)) * A * log pi_k [* rollout_is_weights])``
-    (r against ``old_log_prob``, verl's three-policy decoupled form when it passes weights).
-    Top-K modes: ``loss = agg_loss(-M * sg(w) * A * log pi_k)`` with ``w = min(pi_k/mu_k, C)``,
+    Binary modes: ``loss = aggregate(-M * sg(min(r, C)) * A * log pi_k [* rollout_is_weights])``
+    (r against ``old_log_prob``; verl's weights, against another policy than that anchor,
+    multiply each token's loss: ``loss_weights``, verl's three-policy decoupled form).
+    Top-K modes: ``loss = aggregate(-M * sg(w) * A * log pi_k)`` with ``w = min(pi_k/mu_k, C)``,
     or, when verl passes ``rollout_is_weights`` (``algorithm.rollout_correction.rollout_is``
-    in decoupled mode), ``w = rollout_is_weights`` in its place: verl's token / sequence TIS
-    or MIS weight against the same mu (a weight of 0, verl's MIS, masks the token). ``M``
-    from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
+    in decoupled mode), ``w = rollout_is_weights`` in its place (``is_weights``): verl's token /
+    sequence TIS or MIS weight against the same mu (a weight of 0, verl's MIS, masks the
+    token). ``M`` from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
     """
-    from verl.trainer.ppo.core_algos import agg_loss
-
-    mode = get_mode(mode_name)
-    th = _thresholds(mode, config)
-    valid = response_mask.bool()
-    adv = torch.where(valid, advantages.to(log_prob.dtype), torch.zeros_like(log_prob))
-    res = mask_from_stats(stats, adv, mode, estimator=estimator, thresholds=th)
-    keep = res.keep & valid
-    weight = None
-    if rollout_is_weights is not None and replace_weight:
-        weight = torch.where(valid, rollout_is_weights.detach().to(log_prob.dtype), torch.zeros_like(log_prob))
-        keep = keep & (weight > 0)  # verl's MIS zeroes the weight where pdmask's is_mask masks
-    per, keep_eff = token_loss(log_prob, stats["log_ratio"], adv, keep, surrogate=mode.surrogate,
-                               is_cap=float(config.clip_ratio_c), weight=weight)
-    if rollout_is_weights is not None and not replace_weight:
-        per = per * rollout_is_weights
-    loss = agg_loss(loss_mat=per, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                    **config.global_batch_info)
-    m = mask_metrics(res, keep_eff, stats, adv, valid)
-    if weight is not None:
-        n = valid.sum().clamp(min=1)
-        m["is_weight_mean"] = (weight.sum() / n).detach()
-        m["masked_frac_is"] = ((weight <= 0) & valid).sum().to(log_prob.dtype).div(n).detach()
+    spec = policy_loss_spec(mode_name, estimator, config, loss_agg_mode)
+    weights = {}
+    if rollout_is_weights is not None:
+        weights["is_weights" if replace_weight else "loss_weights"] = rollout_is_weights
+    out = spec.from_stats({**stats, "logp": log_prob}, advantages, response_mask, **weights)
+    m = dict(out.metrics)
+    m.pop("loss")  # verl reports the loss itself (actor/pg_loss)
     if not has_entropy:
         m.pop("entropy_mean")
     metrics: dict[str, Any] = {f"pdmask/{k}": v for k, v in m.items()}
     # verl's dashboard names (what its dppo_* losses report), for side-by-side runs
     metrics["actor/pg_clipfrac"] = m["masked_frac"]
+    valid = response_mask.bool()
     n = valid.sum().clamp(min=1)
-    metrics["actor/ppo_kl"] = (torch.where(valid, -stats["log_ratio"], torch.zeros_like(adv)).sum() / n).detach()
-    return loss, metrics
+    metrics["actor/ppo_kl"] = (torch.where(valid, -stats["log_ratio"], torch.zeros_like(log_prob)).sum() / n).detach()
+    return out.loss, metrics
 
 
 def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
