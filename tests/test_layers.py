@@ -17,7 +17,8 @@ PKG = "pdmask"
 
 #: Top-level modules of the core (with the ``ops`` package and the package root, which
 #: re-exports the public API).
-CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "directions", "masks", "stats", "corrections", "loss"}
+CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "directions", "masks", "stats", "corrections",
+                "aggregation", "loss"}
 #: layer -> the layers it may import (itself included). docs/ARCHITECTURE.md.
 #: ``api`` is the package root (``import pdmask``: re-exports the core and the batch mask).
 ALLOWED = {
