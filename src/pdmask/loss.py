@@ -24,7 +24,7 @@ import torch
 
 from . import ops
 from ._validate import Checks, check_choice, check_device, prepare, prepare_rows
-from .aggregation import COUNTS, Aggregation, aggregate  # noqa: F401  (re-exported: pdmask.loss.Aggregation)
+from .aggregation import Aggregation, aggregate  # noqa: F401  (Aggregation re-exported: pdmask.loss.Aggregation)
 from .corrections import Corrections, apply_corrections, is_weight
 from .divergences import floor_neginf, masked_mean
 from .keys import BATCH_DDOT, ESTIMATORS
