@@ -19,6 +19,8 @@ PKG = "pdmask"
 #: re-exports the public API).
 CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "directions", "masks", "stats", "corrections",
                 "aggregation", "loss"}
+#: Modules of the significance layer besides ``significance`` itself.
+SIGNIFICANCE_MODULES = {"power"}
 #: layer -> the layers it may import (itself included). docs/ARCHITECTURE.md.
 #: ``api`` is the package root (``import pdmask``: re-exports the core and the batch mask).
 ALLOWED = {
@@ -145,6 +147,8 @@ def layer_of(module: str) -> str | None:
         return "core"
     if len(parts) == 2 and parts[1] in ("cli", "significance"):
         return parts[1]
+    if len(parts) == 2 and parts[1] in SIGNIFICANCE_MODULES:
+        return "significance"
     return SUBPACKAGE_LAYERS.get(parts[1]) if len(parts) >= 2 else None
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from compare_toy import make_compare_dir, runs_of, write_run
 
-from pdmask.train.seed_summary import resolution_note, run_scalars, seed_summary
+from pdmask.train.seed_summary import DETECTABLE_HEADER, resolution_note, run_scalars, seed_markdown, seed_summary
 
 
 @pytest.fixture
@@ -63,6 +63,9 @@ def test_seed_summary_known_answers(compare_dir):
     f = v["eval_final"]
     assert f["estimate"] == pytest.approx(0.05) and f["p"] == 0.25 and f["p_method"] == "exact"
     assert (f["wins"], f["losses"]) == (3, 1) and f["lo"] <= 0.05 <= f["hi"]
+    # the power line: 4 seeds cannot reach p <= 0.05 whatever the shift
+    det = f["detectable"]  # inf, written as null by json_safe
+    assert det["shift"] is None and det["n"] == 4 and "2/2^4" in det["reason"]
     assert v["eval_last5"]["estimate"] == pytest.approx(0.05) and v["eval_last5"]["p"] == 0.25
     # AUC: the offset holds from step 1 on; the 0->1 trapezoid carries half of it: 7.5/8 of the offset
     assert v["eval_auc"]["estimate"] == pytest.approx(0.05 * 7.5 / 8)
@@ -165,3 +168,17 @@ def test_masked_counts_only_from_steps_that_log_them():
     # evals at 0..3 of 0.1..0.4 (linear): AUC = mean of the line = 0.25; eval at one step only: its value
     assert s["eval_auc"] == pytest.approx(0.25)
     assert run_scalars([{"step": 4, "eval_accuracy": 0.7}])["eval_auc"] == 0.7
+
+
+def test_power_column_in_the_paired_table(compare_dir):
+    s = seed_summary(runs_of(compare_dir), n_boot=200)
+    md = seed_markdown(s)
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    header = cells(next(line for line in md.splitlines() if DETECTABLE_HEADER in line))
+    col = header.index(DETECTABLE_HEADER)
+    rows = {c[0]: c[col] for c in map(cells, md.splitlines()[md.splitlines().index(
+        next(line for line in md.splitlines() if DETECTABLE_HEADER in line)) + 2:]) if len(c) == len(header)}
+    assert rows["pdm-topk-kl"] == "none" and rows["none"] == "none"  # 4 seeds: p >= 0.125
+    assert "detectable" in s["definitions"]

@@ -15,7 +15,8 @@ import yaml
 
 from pdmask.train.grpo import TIME_KEYS
 from pdmask.train.ladder import cell_status, load_spec, plan_cells, run_ladder
-from pdmask.train.ladder_report import build_report, plot_data
+from pdmask.train.ladder_plot import plot_data
+from pdmask.train.ladder_report import build_report
 from pdmask.train.logging import read_jsonl
 
 
@@ -343,7 +344,7 @@ def test_cells_not_run_yet_are_one_note_per_rung(constructed):
 
 
 def test_rung_labels_of_close_rungs_do_not_overlap():
-    from pdmask.train.ladder_report import _label_positions
+    from pdmask.train.ladder_plot import _label_positions
 
     # width 0.1 decades: a label takes [x - 0.1, x] (left of x) or [x, x + 0.1] (right of x)
     pos = _label_positions({"fp32": 1e-8, "bf16": 1e-4, "a": 4.2e-3, "b": 6.8e-3, "c": 1.5e-2, "d": 1.9e-2},

@@ -5,7 +5,7 @@ import json
 import pytest
 from compare_toy import REF, make_compare_dir, runs_of
 
-from pdmask.train.report import eval_bands, plot_eval_bands, summary_markdown
+from pdmask.train.report import eval_bands, plot_curve_bands, plot_eval_bands, summary_markdown
 from pdmask.train.seed_summary import seed_markdown, seed_summary, seed_tables
 
 
@@ -32,6 +32,17 @@ def test_eval_bands_numbers(compare_dir):
 def test_band_plot_is_written(compare_dir, tmp_path):
     p = plot_eval_bands(runs_of(compare_dir), tmp_path / "rep")
     assert p.name == "eval_accuracy_bands.png" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bands_of_any_metric_smooth_each_seed_first(compare_dir):
+    # none logs mismatch 1e-2 * t on every seed; a trailing mean of 3 at step 3 is (1 + 2 + 3)e-2 / 3
+    b = eval_bands(runs_of(compare_dir), "mismatch_topk_kl", window=3)["none"]
+    assert b["steps"] == list(range(1, 9)) and b["n"] == [4] * 8
+    assert b["mean"][0] == pytest.approx(1e-2) and b["mean"][2] == pytest.approx(2e-2)
+    assert b["lo"][7] == b["hi"][7] == pytest.approx(7e-2)  # (6 + 7 + 8)e-2 / 3
+    assert eval_bands(runs_of(compare_dir), "entropy_mean")["none"]["steps"] == []  # not logged: empty
+    p = plot_curve_bands(runs_of(compare_dir), compare_dir / "rep")
+    assert p.name == "curves_bands.png" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tables_and_markdown_render(compare_dir):

@@ -4,7 +4,8 @@
 directories of runs (a ``pdmask compare`` output). Runs are coloured by mask mode; with
 several seeds of a mode the thin lines are the seeds and the thick line their mean;
 ``eval_accuracy_bands.png`` shows each mode's mean eval curve with its min-max band
-across seeds.
+across seeds; ``curves_bands.png`` the same for accuracy, reward, entropy, response length
+and mismatch side by side.
 
 The across-seed summary with paired tests is in :mod:`pdmask.train.seed_summary`.
 """
@@ -120,12 +121,14 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
     plt.close(fig_all)
     written.append(p)
     written.append(plot_eval_bands(runs, out_dir))
+    written.append(plot_curve_bands(runs, out_dir))
     return written
 
 
-def eval_bands(runs: list[Path]) -> dict[str, dict]:
-    """Per group: ``steps``, and over the seeds evaluated at each step ``mean``, ``lo``
-    (min), ``hi`` (max) of eval_accuracy, and ``n`` (seeds at that step)."""
+def eval_bands(runs: list[Path], key: str = "eval_accuracy", window: int = 1) -> dict[str, dict]:
+    """Per group: ``steps``, and over the seeds logged at each step ``mean``, ``lo``
+    (min), ``hi`` (max) of ``key`` (each run's series smoothed by a trailing moving mean of
+    ``window`` first), and ``n`` (seeds at that step)."""
     groups = defaultdict(list)
     for r in runs:
         groups[run_label(r)[0]].append(r)
@@ -133,14 +136,60 @@ def eval_bands(runs: list[Path]) -> dict[str, dict]:
     for g, rs in groups.items():
         by_step = defaultdict(list)
         for r in rs:
-            for rec in read_jsonl(r / "metrics.jsonl"):
-                if rec.get("eval_accuracy") is not None:
-                    by_step[rec["step"]].append(rec["eval_accuracy"])
+            pts = [(rec["step"], rec[key]) for rec in read_jsonl(r / "metrics.jsonl") if rec.get(key) is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                for x, y in zip(xs, _smooth(list(ys), window)):
+                    by_step[x].append(y)
         steps = sorted(by_step)
         out[g] = {"steps": steps, "mean": [sum(by_step[s]) / len(by_step[s]) for s in steps],
                   "lo": [min(by_step[s]) for s in steps], "hi": [max(by_step[s]) for s in steps],
                   "n": [len(by_step[s]) for s in steps], "seeds": len(rs)}
     return out
+
+
+#: the panels of ``curves_bands.png``: (metric key, title, y label, smoothing window, log y)
+BAND_PANELS = [
+    ("eval_accuracy", "Held-out greedy accuracy", "accuracy", 1, False),
+    ("reward", "Training reward", "reward", 3, False),
+    ("entropy_mean", "Policy entropy", "nats", 3, False),
+    ("response_length", "Response length", "tokens", 3, False),
+    ("mismatch_topk_kl", "Engine-trainer mismatch", "top-K KL(mu || pi)", 3, True),
+]
+
+
+def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
+    """``curves_bands.png``: one panel per :data:`BAND_PANELS` metric; per mode the mean
+    over seeds with its min-max band over seeds (each seed smoothed first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(BAND_PANELS), figsize=(4.2 * len(BAND_PANELS), 3.8))
+    for ax, (key, title, ylabel, w, logy) in zip(axes, BAND_PANELS):
+        for gi, (g, b) in enumerate(eval_bands(runs, key, w).items()):
+            if not b["steps"]:
+                continue
+            color = _COLORS.get(g.split(" ")[0], f"C{gi % 10}")
+            ax.plot(b["steps"], b["mean"], "-", color=color, lw=1.8, label=f"{g} ({b['seeds']} seeds)")
+            if b["seeds"] > 1:
+                ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.15, lw=0)
+        ax.set_title(title + (f" (moving mean of {w})" if w > 1 else ""), fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Mean over seeds; band = min–max over seeds", fontsize=10)
+    fig.tight_layout()
+    p = out_dir / "curves_bands.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    return p
 
 
 def plot_eval_bands(runs: list[Path], out_dir: str | Path) -> Path:

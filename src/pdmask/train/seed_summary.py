@@ -57,6 +57,14 @@ SEED_DEFINITIONS = {
                    "token counts, else a token-weighted approximation)",
 }
 
+#: the power column of paired tables (compare's and the ladder's)
+DETECTABLE_HEADER = "detectable Δ final acc (80% power)"
+DETECTABLE_DEFINITION = ("the smallest mean paired difference of final accuracy (either sign) that "
+                         "a two-sided sign-flip test on these n seeds rejects at alpha = 0.05 with 80% power, the "
+                         "noise resampled from the observed per-seed differences (pdmask.power.detectable_shift); "
+                         "'none' when n seeds cannot reach p <= 0.05 at all")
+SEED_DEFINITIONS["detectable"] = DETECTABLE_DEFINITION
+
 DEFAULT_REFERENCE = "dppo-topk-kl"
 
 
@@ -156,6 +164,7 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
     ``require_reference``: raise if no run has mode ``reference`` (else the paired part
     is left out with a note).
     """
+    from ..power import detectable_shift
     from ..significance import paired_difference, paired_ratio_difference, pooled_ratio, sign_flip_test
 
     boot = dict(n_boot=n_boot, level=level, seed=seed)
@@ -213,6 +222,8 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
                                     "sign-flip p on per-seed fraction differences"}
                 else:
                     vs[k] = paired_difference([x for x, _ in xs], [y for _, y in xs], **boot).to_dict()
+                if k == "eval_final" and len(xs) >= 2:  # the power line: what these seeds could have found
+                    vs[k]["detectable"] = detectable_shift([x - y for x, y in xs], seed=seed).to_dict()
             entry["vs_reference"] = vs
         out_groups.append(entry)
     out_groups.sort(key=lambda e: e["mode"] != reference)  # stable: the reference first, then run order
@@ -255,6 +266,15 @@ def _diff_cell(d: dict | None, spec: str) -> str:
     return f"{format_interval(d['estimate'], d['lo'], d['hi'], spec=spec, sign=True)} {format_p(d['p'])}"
 
 
+def detectable_cell(d: dict | None) -> str:
+    """``±0.071``: the power line's number (see :data:`DETECTABLE_DEFINITION`)."""
+    det = (d or {}).get("detectable")
+    if not det:
+        return "-"
+    sh = det["shift"]  # inf (no shift detectable) is None once json_safe has run
+    return "none" if sh is None or math.isinf(sh) else f"±{sh:.3f}"
+
+
 def _pooled_cell(p: dict) -> str:
     from ..significance import format_rate
 
@@ -268,9 +288,10 @@ def seed_rows(summary: dict) -> tuple[list[str], list[list[str]], list[str], lis
     r1 = [[e["group"], str(e["n_seeds"]), "/".join(map(str, e["steps"]))]
           + [_cell(e["metrics"][k], f) for k, _, f in SEED_METRICS if k != "masked_frac"]
           + [_pooled_cell(e["masked_frac_pooled"])] for e in summary["groups"]]
-    h2 = ["mode", "vs", "paired seeds"] + [lab for _, lab, _ in SEED_METRICS]
+    h2 = ["mode", "vs", "paired seeds"] + [lab for _, lab, _ in SEED_METRICS] + [DETECTABLE_HEADER]
     r2 = [[e["group"], e["vs_reference"]["reference_group"], str(e["vs_reference"]["n"])]
           + [_diff_cell(e["vs_reference"][k], f) for k, _, f in SEED_METRICS]
+          + [detectable_cell(e["vs_reference"]["eval_final"])]
           for e in summary["groups"] if e["vs_reference"]]
     return h1, r1, h2, r2
 
