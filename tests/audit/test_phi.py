@@ -149,8 +149,17 @@ def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
     doc = json.loads((tmp_path / "phi" / "phi.json").read_text())
     assert [r["seed"] for r in doc["records"]] == [0, 1]
     assert doc["summary"]["n_out_of_region"] > 0 and "pdm-batch" in doc["summary"]["sign_accuracy"]["O"]
-    assert "## Sign accuracy" in (tmp_path / "phi" / "phi.md").read_text()
+    md = (tmp_path / "phi" / "phi.md").read_text()
+    assert "## Sign accuracy" in md and "CPU capability" in md  # the environment line
+    assert all(r["time_s"] > 0 for r in doc["records"]) and "Wall time:" in md and "over the 2 seeds" in md
     stamp = (tmp_path / "phi" / "seeds" / "seed-00000.json").stat().st_mtime_ns
+    # without leave-one-out the page says so instead of an empty section
+    no_loo = [a if a != str(tmp_path / "phi") else str(tmp_path / "phi0") for a in args]
+    with pytest.raises(SystemExit) as e:
+        main(no_loo + ["--seeds", "1", "--loo-tokens", "0", "--loo-outside", "0"])
+    md0 = (tmp_path / "phi0" / "phi.md").read_text()
+    assert e.value.code == 0 and "Leave-one-out not measured" in md0 and "## Sign accuracy" not in md0
+    assert "## Realized change of Phi at matched masked fraction" in md0
     with pytest.raises(SystemExit):
         main(args)
     assert (tmp_path / "phi" / "seeds" / "seed-00000.json").stat().st_mtime_ns == stamp  # reused, not redone
