@@ -123,6 +123,7 @@ def test_sign_counts_and_pooled_summary():
     assert mf["pdm-batch"]["estimate"] == pytest.approx(0.2 / 10)  # (0.1 + 0.1) / (4 + 6)
     assert mf["none"]["estimate"] == pytest.approx(0.8 / 10)
     assert mf["pdm-batch - ratio"]["estimate"] == pytest.approx((-0.1 / 4 - 0.1 / 6) / 2)
+    assert mf["pdm-exact - ratio"]["estimate"] == pytest.approx(0.0)  # the per-token direction vs the ratio
     assert s["n_out_of_region"] == 10 and s["n_seeds"] == 2
 
 
@@ -160,8 +161,9 @@ def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
     md0 = (tmp_path / "phi0" / "phi.md").read_text()
     assert e.value.code == 0 and "Leave-one-out not measured" in md0 and "## Sign accuracy" not in md0
     assert "## Realized change of Phi at matched masked fraction" in md0
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         main(args)
+    assert e.value.code == 0  # the same settings resume (a refusal would also leave the file alone)
     assert (tmp_path / "phi" / "seeds" / "seed-00000.json").stat().st_mtime_ns == stamp  # reused, not redone
     with pytest.raises(SystemExit) as e:
         main(args + ["--fractions", "0.5,2"])

@@ -351,6 +351,8 @@ class PhiRun:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "seeds").mkdir(exist_ok=True)
         p = self.out / "settings.json"
+        # compare as JSON reads them back (tuples become lists), else no rerun could ever resume
+        self.settings = json.loads(json.dumps(self.settings, default=str))
         if p.exists():
             old = json.loads(p.read_text())
             if old != self.settings:
