@@ -1,13 +1,40 @@
-"""Shared helpers for the benchmark scripts: inputs, the naive routes, printing."""
+"""Shared helpers for the benchmark scripts: inputs, the naive routes, process memory, printing."""
 
 from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 import sys
 import time
 
 import torch
+
+
+# ------------------------------------------------------------------ process memory (Linux /proc)
+def status_mib(key: str, *, required: bool = False) -> float | None:
+    """A memory line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``: the peak) in MiB; None where
+    it cannot be read (not Linux), or a RuntimeError naming the key with ``required``."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:  # not Linux: the same answer as a missing line
+        lines = []
+    for line in lines:
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024  # kB -> MiB
+    if required:
+        raise RuntimeError(f"{key} not in /proc/self/status")
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current resident set (``5`` into ``/proc/self/clear_refs``, Linux >= 4.0),
+    so that peaks before this point are not counted; False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return status_mib("VmHWM") is not None
 
 
 def make_inputs(T: int, V: int, K: int, dtype: torch.dtype, device="cpu", seed=0):

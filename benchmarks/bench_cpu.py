@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    Sink, env_line, interleaved_times, logp_only, logp_only_chunked, make_inputs, naive_all, summary,
+    Sink, env_line, interleaved_times, logp_only, logp_only_chunked, make_inputs, naive_all, reset_peak, status_mib,
+    summary,
 )
 
 from pdmask import ops  # noqa: E402
@@ -74,21 +75,13 @@ def measure_memory(name: str, T: int, V: int, K: int, dt: str) -> None:
     x, k, tk = make_inputs(T, V, K, DTYPES[dt])
     methods(x[:2], k[:2], tk[:2], with_bwd=True)[name]()  # page in code, start threads: not counted
     fns = methods(x, k, tk, with_bwd=True)
-    # VmHWM is the peak resident set; "5" in clear_refs resets it to the current RSS, so
-    # the peaks of input creation and warm-up are not counted
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_mib("VmRSS")
+    # VmHWM is the peak resident set; resetting it to the current RSS leaves the peaks of
+    # input creation and warm-up out
+    if not reset_peak():
+        raise RuntimeError("/proc/self/clear_refs: cannot reset the peak resident set (Linux >= 4.0 needed)")
+    before = status_mib("VmRSS", required=True)
     fns[name]()
-    print(f"{max(_status_mib('VmHWM') - before, 0.0):.1f}")
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MiB
-    raise RuntimeError(f"{key} not in /proc/self/status")
+    print(f"{max(status_mib('VmHWM', required=True) - before, 0.0):.1f}")
 
 
 def child_memory(name, T, V, K, dt) -> float | None:

@@ -24,20 +24,16 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import pdmask
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import reset_peak, status_mib  # noqa: E402
+
+import pdmask  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MiB
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def inputs(T, V, H, K, dtype, seed=0):
@@ -72,13 +68,13 @@ def child(path, T, V, H, K, dt) -> None:
     small = inputs(8, V, H, K, DTYPES[dt], seed=1)
     small["W"] = d["W"]
     run(path, small)  # warm-up: page in code and the weight, start the threads (not counted)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
-    before = _status_mib("VmRSS")
+    if not reset_peak():  # VmHWM := current RSS
+        raise RuntimeError("/proc/self/clear_refs: cannot reset the peak resident set (Linux >= 4.0 needed)")
+    before = status_mib("VmRSS", required=True)
     t0 = time.perf_counter()
     loss = run(path, d)
     dt_s = time.perf_counter() - t0
-    print(json.dumps({"path": path, "peak_extra_mib": _status_mib("VmHWM") - before, "seconds": dt_s,
+    print(json.dumps({"path": path, "peak_extra_mib": status_mib("VmHWM", required=True) - before, "seconds": dt_s,
                       "loss": loss}))
 
 

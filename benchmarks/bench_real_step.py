@@ -39,6 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import reset_peak, status_mib  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: name -> config overrides (train_blocks / lora_* / loss_from); the first is the baseline of the ratios
@@ -58,33 +61,11 @@ PHASES = ("sync", "generate", "forward", "loss", "backward", "optimizer")
 
 
 # ------------------------------------------------------------------ memory of this process
-def _status_kb(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def rss_mb() -> float:
-    kb = _status_kb("VmRSS")
-    return (kb if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
-
-
-def reset_peak() -> bool:
-    """Reset the resident-set high-water mark (Linux >= 4.0); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _status_kb("VmHWM") is not None
-    except OSError:
-        return False
-
-
-def peak_mb() -> float:
-    kb = _status_kb("VmHWM")
-    return (kb if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+def mem_mb(key: str) -> float:
+    """``VmRSS`` or ``VmHWM`` (the peak) of this process in MiB; the peak (``ru_maxrss``) where
+    /proc cannot be read."""
+    mib = status_mib(key)
+    return mib if mib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ------------------------------------------------------------------ one variant (child process)
@@ -106,7 +87,7 @@ def child(name: str, args) -> dict:
     S = setup(cfg)
     model, opt, engine = S.model, S.optimizer, S.engine
     answers = [p.answer for p in S.task.train]
-    after_setup = rss_mb()
+    after_setup = mem_mb("VmRSS")
     exact_peak = False
     times = {p: [] for p in PHASES}
     tokens, prompt_tokens = [], []
@@ -154,7 +135,7 @@ def child(name: str, args) -> dict:
     return {"variant": name, "overrides": VARIANTS[name], "num_params": num_params(model),
             "num_trainable_params": sum(p.numel() for p in trainable_parameters(model)),
             **{f"{p}_s": mean[p] for p in PHASES}, "step_s": sum(mean.values()),
-            "rss_after_setup_mb": after_setup, "peak_rss_mb": peak_mb(), "peak_is_of_timed_steps": exact_peak,
+            "rss_after_setup_mb": after_setup, "peak_rss_mb": mem_mb("VmHWM"), "peak_is_of_timed_steps": exact_peak,
             "response_tokens": tokens, "prompt_tokens": prompt_tokens, "vocab_size": model.config.vocab_size,
             "threads": torch.get_num_threads()}
 
