@@ -125,10 +125,12 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
     return written
 
 
-def eval_bands(runs: list[Path], key: str = "eval_accuracy", window: int = 1) -> dict[str, dict]:
+def eval_bands(runs: list[Path], key: str = "eval_accuracy", window: int = 1,
+               records: dict[Path, list[dict]] | None = None) -> dict[str, dict]:
     """Per group: ``steps``, and over the seeds logged at each step ``mean``, ``lo``
     (min), ``hi`` (max) of ``key`` (each run's series smoothed by a trailing moving mean of
-    ``window`` first), and ``n`` (seeds at that step)."""
+    ``window`` first), and ``n`` (seeds at that step). ``records``: the runs' metrics
+    already read (run -> records), else each run's metrics.jsonl is read."""
     groups = defaultdict(list)
     for r in runs:
         groups[run_label(r)[0]].append(r)
@@ -136,7 +138,8 @@ def eval_bands(runs: list[Path], key: str = "eval_accuracy", window: int = 1) ->
     for g, rs in groups.items():
         by_step = defaultdict(list)
         for r in rs:
-            pts = [(rec["step"], rec[key]) for rec in read_jsonl(r / "metrics.jsonl") if rec.get(key) is not None]
+            recs = records[r] if records is not None else read_jsonl(r / "metrics.jsonl")
+            pts = [(rec["step"], rec[key]) for rec in recs if rec.get(key) is not None]
             if pts:
                 xs, ys = zip(*pts)
                 for x, y in zip(xs, _smooth(list(ys), window)):
@@ -168,9 +171,10 @@ def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = {r: read_jsonl(r / "metrics.jsonl") for r in runs}  # read once for every panel
     fig, axes = plt.subplots(1, len(BAND_PANELS), figsize=(4.2 * len(BAND_PANELS), 3.8))
     for ax, (key, title, ylabel, w, logy) in zip(axes, BAND_PANELS):
-        for gi, (g, b) in enumerate(eval_bands(runs, key, w).items()):
+        for gi, (g, b) in enumerate(eval_bands(runs, key, w, records).items()):
             if not b["steps"]:
                 continue
             color = _COLORS.get(g.split(" ")[0], f"C{gi % 10}")
