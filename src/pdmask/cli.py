@@ -257,6 +257,10 @@ def ladder(
     seeds: Optional[int] = typer.Option(None, "--seeds", help="seeds per cell (replaces the spec's seeds)"),
     model: Optional[str] = typer.Option(None, "--model", help="model of every run: a local Hugging Face directory "
                                                               "or a named source (smollm2-135m); sets model_path"),
+    prefix_of: Optional[str] = typer.Option(
+        None, "--prefix-of", help="another ladder's output directory: its finished runs that differ from a cell "
+                                  "not started here only by more steps become that cell (their first `steps` "
+                                  "steps; exact, see pdmask.train.prefix) instead of running it"),
     plan: bool = typer.Option(False, "--plan", help="print every cell's status (done / partial / todo) and exit"),
     report_only: bool = typer.Option(False, "--report-only", help="rebuild the report without running anything"),
     report_dir: Optional[str] = typer.Option(
@@ -287,6 +291,8 @@ def ladder(
         console = _console()
         if plan and report_dir:
             raise ValueError("report_dir: --plan writes nothing; drop --report-dir")
+        if prefix_of and (plan or report_only):
+            raise ValueError("prefix_of: --plan and --report-only run nothing; drop --prefix-of")
         if plan:
             cells = plan_cells(sp, Path(out or sp.out), rung_list)
             st = statuses(cells)
@@ -296,7 +302,7 @@ def ladder(
                           + f" of {len(cells)} cells")
             return
         if not report_only:
-            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, console=console)
+            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, prefix_of=prefix_of, console=console)
         src = Path(out or sp.out)
         dest = Path(report_dir) if report_dir else src
         if dest.resolve() != src.resolve():

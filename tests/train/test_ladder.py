@@ -303,7 +303,7 @@ def test_cli_plan_and_errors(tmp_path, smoke_config, cli):
 
 
 def test_config_diff_tolerates_fields_added_later_at_their_default(tmp_path, smoke_config):
-    from pdmask.train.ladder import config_diff
+    from pdmask.train.config import config_diff
 
     spec = load_spec(write_spec(tmp_path / "s.yaml", smoke_config))
     cfg = plan_cells(spec, tmp_path / "out")[0].cfg

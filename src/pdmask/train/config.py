@@ -450,3 +450,34 @@ def replace(cfg: TrainConfig, **changes) -> TrainConfig:
             raise _unknown(k, "overrides")
         vals[k] = v
     return make_config(vals)
+
+
+# ------------------------------------------------------------------ stored runs
+#: config keys that do not change a run's result (ignored when a stored run is compared with
+#: a config: the ladder's cells, prefix cells); keep_checkpoints only decides how many
+#: checkpoints stay on disk (its default went 1 -> 2 after the first ladder cells were run)
+NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints")
+
+
+def stored_config(run_dir: Path) -> dict | None:
+    """The ``config.yaml`` a run directory holds (None when it holds none)."""
+    import yaml
+
+    p = run_dir / "config.yaml"
+    return (yaml.safe_load(p.read_text()) or {}) if p.exists() else None
+
+
+def config_diff(stored: dict, cfg: TrainConfig) -> dict:
+    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored). A key
+    the stored config lacks counts as equal when ``cfg`` holds the field's default: a
+    field added to :class:`TrainConfig` after the run was made, at the value that keeps
+    the old behaviour."""
+    want = cfg.to_dict()
+    keys = (set(stored) | set(want)) - set(NEUTRAL_KEYS)
+    out = {}
+    for k in sorted(keys):
+        if k not in stored and k in FIELDS and want.get(k) == FIELDS[k].default:
+            continue
+        if stored.get(k) != want.get(k):
+            out[k] = (stored.get(k), want.get(k))
+    return out

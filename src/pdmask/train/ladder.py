@@ -24,7 +24,10 @@ and every step logged) is skipped, a cell with a partial run is resumed from its
 checkpoint (``pdmask train --resume``: no step lost or repeated), the rest start fresh.
 Adding a mode or seeds to the spec (or ``--modes`` / ``--seeds``) therefore runs only the
 new cells. A cell whose stored ``config.yaml`` differs from what the spec now asks for is
-refused (one line naming the cell and the keys), never silently mixed. Every invocation
+refused (one line naming the cell and the keys), never silently mixed. ``--prefix-of DIR``
+cuts a grid's steps without rerunning it: a cell not started yet whose cell in the ladder
+``DIR`` finished the same config with more steps becomes its first ``steps`` steps
+(:mod:`pdmask.train.prefix`, exact). Every invocation
 appends to ``OUT/ladder_log.jsonl`` (which cells ran, fresh or resumed, wall times).
 
 The report (:mod:`pdmask.train.ladder_report`, which imports this module, not the other
@@ -44,14 +47,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import FIELDS, TrainConfig, load_config, replace
+from .config import FIELDS, TrainConfig, config_diff, load_config, replace, stored_config
 
-#: config keys that do not change a run's result (ignored when an existing cell is checked);
-#: keep_checkpoints only decides how many checkpoints stay on disk (its default went 1 -> 2
-#: after the first ladder cells were run)
 #: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
 LADDER_LOG = "ladder_log.jsonl"
-NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints")
 
 _SPEC_KEYS = ("name", "config", "modes", "seeds", "seed0", "reference", "collapse_drop", "set", "rungs", "out")
 _RUNG_KEYS = ("name", "label", "family", "config", "set", "extra_modes")
@@ -225,29 +224,6 @@ def plan_cells(spec: LadderSpec, out: Path, rungs: list[str] | None = None) -> l
             for r in chosen for s in range(spec.seed0, spec.seed0 + spec.seeds) for m in spec.modes_of(r)]
 
 
-def _stored_config(run_dir: Path) -> dict | None:
-    import yaml
-
-    p = run_dir / "config.yaml"
-    return (yaml.safe_load(p.read_text()) or {}) if p.exists() else None
-
-
-def config_diff(stored: dict, cfg: TrainConfig) -> dict:
-    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored). A key
-    the stored config lacks counts as equal when ``cfg`` holds the field's default: a
-    field added to :class:`TrainConfig` after the run was made, at the value that keeps
-    the old behaviour."""
-    want = cfg.to_dict()
-    keys = (set(stored) | set(want)) - set(NEUTRAL_KEYS)
-    out = {}
-    for k in sorted(keys):
-        if k not in stored and k in FIELDS and want.get(k) == FIELDS[k].default:
-            continue
-        if stored.get(k) != want.get(k):
-            out[k] = (stored.get(k), want.get(k))
-    return out
-
-
 def cell_status(cell: Cell) -> str:
     """``done`` (finished run of this config), ``partial`` (a run to resume) or ``todo``.
 
@@ -255,7 +231,7 @@ def cell_status(cell: Cell) -> str:
     from .logging import read_jsonl
 
     d = cell.cfg.run_dir
-    stored = _stored_config(d)
+    stored = stored_config(d)
     if stored is None and not (d / "metrics.jsonl").exists():
         return "todo"
     if stored is not None:
@@ -358,13 +334,41 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
             pr.wait()
 
 
+def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: Path, console) -> int:
+    """Each cell not started yet whose cell in the ladder ``prefix_of`` is a finished longer
+    run of the same config becomes that run's first ``steps`` steps
+    (:mod:`pdmask.train.prefix`); a source cell that cannot stand in is named with its
+    reason and the cell runs. Returns how many cells were taken."""
+    from .prefix import prefix_problem, take_prefix
+
+    n = 0
+    for c in cells:
+        src = Path(prefix_of) / c.rung.name / c.cfg.run_name
+        if st[c.key] != "todo" or not src.exists():
+            continue
+        why = prefix_problem(src, c.cfg)
+        if why:
+            console.print(f"prefix_of: not taking {c.key}: {why}")
+            continue
+        got = take_prefix(src, c.cfg)
+        _log_event(out, event="prefix", cell=c.key, source=str(src), source_steps=got["source_steps"],
+                   source_wall_s=got["source_wall_s"])
+        st[c.key] = "done"
+        n += 1
+        console.print(f"took {c.key}: the first {c.cfg.steps} of the {got['source_steps']} steps of {src}")
+    return n
+
+
 def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1, rungs: list[str] | None = None,
-               console=None) -> dict:
+               prefix_of: str | Path | None = None, console=None) -> dict:
     """Run every unfinished cell (of ``rungs``, default all).
 
-    Returns ``{"executed": {"fresh": n, "resume": n}, "status": {cell: status before this
-    call}}``. The report is :func:`pdmask.train.ladder_report.build_report` (``pdmask
-    ladder`` calls it after every invocation)."""
+    ``prefix_of``: another ladder's output directory whose finished longer runs stand in
+    for this ladder's cells not started yet (:func:`take_prefixes`), before anything runs.
+
+    Returns ``{"executed": {"fresh": n, "resume": n}, "prefix": n, "status": {cell: status
+    before this call}}``. The report is :func:`pdmask.train.ladder_report.build_report`
+    (``pdmask ladder`` calls it after every invocation)."""
     from rich.console import Console
 
     from .sft import ensure_sft_checkpoint, sft_key
@@ -377,8 +381,15 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
     try:
         cells = plan_cells(spec, out, rungs)
         st = statuses(cells)
-        todo = [(c, st[c.key]) for c in cells if st[c.key] != "done"]
-        counts = {k: sum(v == k for v in st.values()) for k in ("done", "partial", "todo")}
+        if prefix_of is not None:
+            if not Path(prefix_of).is_dir():
+                raise ValueError(f"prefix_of: directory {prefix_of} not found")
+            if Path(prefix_of).resolve() == out.resolve():
+                raise ValueError(f"prefix_of: {prefix_of} is this ladder's own output directory")
+        taken = take_prefixes(cells, dict(st), prefix_of, out, console) if prefix_of is not None else 0
+        st_run = statuses(cells) if taken else st
+        todo = [(c, st_run[c.key]) for c in cells if st_run[c.key] != "done"]
+        counts = {k: sum(v == k for v in st_run.values()) for k in ("done", "partial", "todo")}
         console.print(f"ladder {spec.name}: {len(cells)} cells in {len({c.rung.name for c in cells})} rungs: "
                       f"{counts['done']} done, {counts['partial']} to resume, {counts['todo']} to start ({out})")
         executed = {"fresh": 0, "resume": 0}
@@ -394,6 +405,6 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
             _run_cells(todo, jobs, out, console)
             executed = {"fresh": sum(s == "todo" for _, s in todo), "resume": sum(s == "partial" for _, s in todo)}
             _log_event(out, event="end", wall_s=time.time() - t0, executed=executed)
-        return {"executed": executed, "status": st}
+        return {"executed": executed, "prefix": taken, "status": st}
     finally:
         lock.close()

@@ -306,11 +306,13 @@ DEFINITIONS = {
 
 def wall_times(out: Path) -> dict:
     """From ``ladder_log.jsonl``: invocations, cells run (fresh / resumed) and the machine
-    time they took (an invocation killed before its end counts up to its last event)."""
+    time they took (an invocation killed before its end counts up to its last event); cells
+    taken as prefixes of longer runs (``--prefix-of``) apart, with the source runs' wall
+    time for those steps (spent by the other ladder, not by this one's invocations)."""
     recs = read_jsonl(Path(out) / LADDER_LOG)
     total, inv, cur = 0.0, 0, None
-    fresh = resumed = 0
-    cell_s = 0.0
+    fresh = resumed = prefix = 0
+    cell_s = prefix_s = 0.0
     for r in recs:
         if r.get("event") == "start":
             if cur is not None:
@@ -322,10 +324,13 @@ def wall_times(out: Path) -> dict:
             fresh += r.get("how") == "fresh"
             resumed += r.get("how") == "resume"
             cell_s += r.get("wall_s", 0.0)
+        if r.get("event") == "prefix":  # taken from a longer run: its machine time for these steps
+            prefix += 1
+            prefix_s += r.get("source_wall_s") or 0.0
     if cur is not None:
         total += cur[1] - cur[0]
     return {"invocations": inv, "cells_fresh": fresh, "cells_resumed": resumed, "wall_s": total,
-            "cell_wall_s_sum": cell_s}
+            "cell_wall_s_sum": cell_s, "cells_prefix": prefix, "prefix_source_wall_s": prefix_s}
 
 
 
@@ -453,7 +458,10 @@ def ladder_markdown(rep: dict) -> str:
                   "that ran both modes on every such rung enter. A difference confined to one rung is diluted "
                   "by the others: the per-rung rows say where.", "", _md(*rows["pooled"])]
     lines += ["", f"Machine time: {w['wall_s'] / 60:.1f} min over {w['invocations']} invocation(s); "
-                  f"{w['cells_fresh']} cells started fresh, {w['cells_resumed']} resumed.", "",
+                  f"{w['cells_fresh']} cells started fresh, {w['cells_resumed']} resumed"
+                  + (f"; {w['cells_prefix']} cells are the first steps of longer runs (`--prefix-of`), which "
+                     f"spent {w['prefix_source_wall_s'] / 60:.1f} min of run wall time on those steps."
+                     if w.get("cells_prefix") else "."), "",
               "Definitions:", ""] + [f"- {k}: {v}" for k, v in rep["definitions"].items()]
     if rep["notes"]:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in rep["notes"]]
