@@ -275,7 +275,7 @@ def ladder(
     ladder.json, ladder.png (accuracy and collapse rate vs measured mismatch) and per rung
     the across-seed summary with paired tests against the spec's reference mode; with
     --report-dir DIR, into DIR together with the runs' records (a results folder)."""
-    from .train.ladder import load_spec, plan_cells, run_ladder, statuses
+    from .train.ladder import CellFailed, load_spec, plan_cells, run_ladder, statuses
     from .train.ladder_report import build_report, export_records
 
     try:
@@ -312,6 +312,11 @@ def ladder(
         build_report(sp, dest, console=console, command=_command_line())
     except ValueError as e:
         _fail(e)
+    except CellFailed as e:  # one line naming the cell and its log; exit 1 (the cause may be a bug)
+        if os.environ.get("PDMASK_TRACEBACK"):
+            raise
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 # `pdmask audit`, `pdmask audit-grid`: the direction audit's commands (their options live in pdmask.audit.cli)

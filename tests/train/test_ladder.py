@@ -6,6 +6,7 @@ are checked on constructed runs whose answers are known.
 
 import json
 import math
+import os
 import shutil
 import signal
 import time
@@ -300,6 +301,24 @@ def test_cli_plan_and_errors(tmp_path, smoke_config, cli):
     r = run_cli(["ladder", "--spec", tmp_path / "missing.yaml"], cwd=tmp_path, check=False)
     assert r.returncode == 2 and "spec:" in r.stderr and "missing.yaml" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_failed_cell_is_one_line_naming_it_its_error_and_its_log(tmp_path, smoke_config, cli):
+    # the child fails after the ladder has planned and started it (this process holds the cell's
+    # run-directory lock, which only the child's trainer takes): the ladder says which cell,
+    # why (the child's own error line) and where the log is
+    from pdmask.train.rundir import lock_run_dir
+
+    run_cli, _ = cli
+    p = write_spec(tmp_path / "s.yaml", smoke_config, modes=("none",), seeds=1)
+    with lock_run_dir(tmp_path / "o" / "calm" / "none-s0"):
+        r = run_cli(["ladder", "--spec", p, "--out", tmp_path / "o", "--jobs", "2", "--rungs", "calm"],
+                    cwd=tmp_path, check=False)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: cell calm/none-s0 failed (exit 2): error: ") and str(os.getpid()) in line
+    assert line.endswith(f"(log: {tmp_path / 'o' / 'calm' / 'none-s0.log'})")
 
 
 def test_config_diff_tolerates_fields_added_later_at_their_default(tmp_path, smoke_config):

@@ -274,6 +274,19 @@ def _log_event(out: Path, **rec) -> None:
         f.write(json.dumps({"time": time.time(), **rec}) + "\n")
 
 
+class CellFailed(RuntimeError):
+    """A cell's ``pdmask train`` subprocess exited non-zero; the message is one line: the
+    cell, its exit code, the last line its log holds (the child's own ``error: ...`` line for
+    a user error such as a full disk, else the end of its traceback) and the log's path.
+    The other cells stop and resume at the next invocation."""
+
+    def __init__(self, key: str, code: int, log: Path):
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] \
+            if log.is_file() else []
+        last = lines[-1] if lines else "(no output)"
+        super().__init__(f"cell {key} failed (exit {code}): {last} (log: {log})")
+
+
 def _die_with_parent():  # Linux: a killed ladder takes its training subprocesses with it
     try:
         import ctypes
@@ -323,8 +336,7 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
                 live.remove(item)
                 log.close()
                 if pr.returncode != 0:
-                    raise RuntimeError(f"cell {c.key} failed (exit {pr.returncode}); see "
-                                       f"{out / c.rung.name / (c.cfg.run_name + '.log')}")
+                    raise CellFailed(c.key, pr.returncode, out / c.rung.name / f"{c.cfg.run_name}.log")
                 _log_event(out, event="cell", cell=c.key, how="resume" if st == "partial" else "fresh",
                            wall_s=time.time() - t)
                 console.print(f"finished {c.key}")
