@@ -365,7 +365,6 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
         got = take_prefix(src, c.cfg)
         _log_event(out, event="prefix", cell=c.key, source=str(src), source_steps=got["source_steps"],
                    source_wall_s=got["source_wall_s"])
-        st[c.key] = "done"
         n += 1
         console.print(f"took {c.key}: the first {c.cfg.steps} of the {got['source_steps']} steps of {src}")
     return n
@@ -398,7 +397,7 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
                 raise ValueError(f"prefix_of: directory {prefix_of} not found")
             if Path(prefix_of).resolve() == out.resolve():
                 raise ValueError(f"prefix_of: {prefix_of} is this ladder's own output directory")
-        taken = take_prefixes(cells, dict(st), prefix_of, out, console) if prefix_of is not None else 0
+        taken = take_prefixes(cells, st, prefix_of, out, console) if prefix_of is not None else 0
         st_run = statuses(cells) if taken else st
         todo = [(c, st_run[c.key]) for c in cells if st_run[c.key] != "done"]
         counts = {k: sum(v == k for v in st_run.values()) for k in ("done", "partial", "todo")}
