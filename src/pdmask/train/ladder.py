@@ -351,18 +351,18 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
     run of the same config becomes that run's first ``steps`` steps
     (:mod:`pdmask.train.prefix`); a source cell that cannot stand in is named with its
     reason and the cell runs. Returns how many cells were taken."""
-    from .prefix import prefix_problem, take_prefix
+    from .prefix import PrefixRefused, take_prefix
 
     n = 0
     for c in cells:
         src = Path(prefix_of) / c.rung.name / c.cfg.run_name
         if st[c.key] != "todo" or not src.exists():
             continue
-        why = prefix_problem(src, c.cfg)
-        if why:
-            console.print(f"prefix_of: not taking {c.key}: {why}")
+        try:
+            got = take_prefix(src, c.cfg)
+        except PrefixRefused as e:
+            console.print(f"not taking {c.key}: {e}")
             continue
-        got = take_prefix(src, c.cfg)
         _log_event(out, event="prefix", cell=c.key, source=str(src), source_steps=got["source_steps"],
                    source_wall_s=got["source_wall_s"])
         n += 1

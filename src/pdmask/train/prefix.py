@@ -52,9 +52,14 @@ def _finished_records(src: Path) -> tuple[dict, list[dict], dict] | str:
     return stored, recs, summary
 
 
-def prefix_problem(src: str | Path, cfg: TrainConfig) -> str | None:
-    """Why the run in ``src`` cannot stand in for the ``cfg`` run, or None when it can."""
-    got = _finished_records(Path(src))
+class PrefixRefused(ValueError):
+    """The source run cannot stand in for the cell (the message says why, naming the source)."""
+
+
+def _source(src: Path, cfg: TrainConfig) -> tuple[dict, list[dict], dict] | str:
+    """(stored config, records, summary) of the run in ``src`` when it can stand in for the
+    ``cfg`` run, else why not."""
+    got = _finished_records(src)
     if isinstance(got, str):
         return got
     stored, recs, _ = got
@@ -70,7 +75,13 @@ def prefix_problem(src: str | Path, cfg: TrainConfig) -> str | None:
     if not any(r.get("step") == cfg.steps and r.get("eval_accuracy") is not None for r in recs):
         return (f"{src} has no held-out evaluation at step {cfg.steps} (its eval_every {stored.get('eval_every')} "
                 f"does not divide {cfg.steps})")
-    return None
+    return got
+
+
+def prefix_problem(src: str | Path, cfg: TrainConfig) -> str | None:
+    """Why the run in ``src`` cannot stand in for the ``cfg`` run, or None when it can."""
+    got = _source(Path(src), cfg)
+    return got if isinstance(got, str) else None
 
 
 def take_prefix(src: str | Path, cfg: TrainConfig) -> dict:
@@ -78,27 +89,31 @@ def take_prefix(src: str | Path, cfg: TrainConfig) -> dict:
     from the first ``cfg.steps`` steps of the finished longer run in ``src``; returns
     ``{"summary": ..., "source_steps": S, "source_wall_s": the source's wall_s at step N}``.
 
-    Raises ValueError (naming ``src``) when the source cannot stand in for this run, or
-    when ``cfg.run_dir`` already holds records."""
+    Raises :class:`PrefixRefused` (naming ``src``) when the source cannot stand in for this
+    run, ValueError when ``cfg.run_dir`` already holds records."""
+    import shutil
+
     from .grpo import _yaml, summarize
+    from .logging import read_jsonl, truncate_jsonl
     from .rundir import writing
 
     src = Path(src)
-    why = prefix_problem(src, cfg)
-    if why:
-        raise ValueError(f"prefix_of: {why}")
-    stored, recs, src_summary = _finished_records(src)
+    got = _source(src, cfg)
+    if isinstance(got, str):
+        raise PrefixRefused(f"prefix_of: {got}")
+    stored, _, src_summary = got
     dst = cfg.run_dir
     if (dst / "metrics.jsonl").exists() or (dst / "config.yaml").exists():
         raise ValueError(f"prefix_of: {dst} already holds a run; a prefix cell is written only where none is")
-    keep = [r for r in recs if r.get("step", 0) <= cfg.steps]
+    dst.mkdir(parents=True, exist_ok=True)
+    with writing(dst / "metrics.jsonl"):
+        shutil.copyfile(src / "metrics.jsonl", dst / "metrics.jsonl")
+    truncate_jsonl(dst / "metrics.jsonl", cfg.steps)
+    keep = read_jsonl(dst / "metrics.jsonl")
     summary = summarize(keep, cfg, {"eval_greedy_accuracy": src_summary.get("sft_eval_accuracy")})
     summary["environment"] = src_summary.get("environment")  # the machine that ran these steps
     summary[PREFIX_KEY] = {"run": str(src), "steps": stored["steps"]}
-    dst.mkdir(parents=True, exist_ok=True)
-    for name, text in (("config.yaml", _yaml(cfg.to_dict())),
-                       ("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in keep)),
-                       ("summary.json", json.dumps(summary, indent=2))):
+    for name, text in (("config.yaml", _yaml(cfg.to_dict())), ("summary.json", json.dumps(summary, indent=2))):
         with writing(dst / name):
             (dst / name).write_text(text)
     return {"summary": summary, "source_steps": stored["steps"], "source_wall_s": keep[-1].get("wall_s")}
