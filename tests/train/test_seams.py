@@ -85,6 +85,20 @@ def test_rollout_step_is_generate_rewards_advantages(parts):
         rollout_step(eng, Tok(), prompts, answers[:2], odd_count, group_size=G, max_new_tokens=3, seed=0)
 
 
+def test_rollout_step_logs_the_share_of_answers_that_end(parts):
+    cfg, model0 = parts
+    model = copy.deepcopy(model0)
+    with torch.no_grad():  # make EOS (id 1) likely, so that some responses end and some do not
+        model.lm_head.weight[1] = model.lm_head.weight.mean(0) + 0.05 * model.lm_head.weight[1]
+        model.model.norm.weight.fill_(1.0)
+    ro = rollout_step(build_engine(cfg, model, Tok()), Tok(), _prompts(), ["1", "0", "1"], odd_count, group_size=4,
+                      max_new_tokens=9, seed=5)
+    b = ro.batch
+    ended = [1 in [t for t, k in zip(row, mk) if k] for row, mk in zip(b.response_ids.tolist(), b.response_mask.tolist())]
+    assert 0 < sum(ended) < len(ended)  # both kinds occur, so the rate can be wrong either way
+    assert ro.metrics["finish_rate"] == sum(ended) / len(ended)
+
+
 @pytest.mark.parametrize("grad_clip", [1e-3, 0.0])
 def test_update_step_is_loss_backward_clip_step(parts, grad_clip):
     cfg0, model0 = parts
@@ -120,8 +134,8 @@ def test_step_metrics_sums_counts_and_averages_the_rest(parts):
     t = torch.tensor
     rec = step_metrics(ro, [t(1.0), t(3.0)], {"mismatch_topk_kl": t(0.25)},
                        [{"loss": t(1.0), "num_tokens": t(5)}, {"loss": t(2.0), "num_tokens": t(7)}])
-    assert list(rec)[:6] == ["reward", "train_accuracy", "response_length", "zero_adv_frac", "grad_norm",
-                             "mismatch_topk_kl"]
+    assert list(rec)[:7] == ["reward", "train_accuracy", "response_length", "zero_adv_frac", "finish_rate",
+                             "grad_norm", "mismatch_topk_kl"]
     assert rec["grad_norm"] == 2.0 and rec["loss"] == 1.5 and rec["num_tokens"] == 12.0
     assert rec["mismatch_topk_kl"] == 0.25 and rec["reward"] == pytest.approx(float(ro.rewards.mean()))
     assert all(isinstance(v, float) for v in rec.values())

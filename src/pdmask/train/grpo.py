@@ -309,6 +309,8 @@ def summarize(records: list[dict], cfg: TrainConfig, base: dict | None = None) -
         "out_of_region_frac_mean": mean_all("out_of_region_frac"),
         "disagreement_frac_mean": mean_all("disagreement_frac"),
         "entropy_last10": mean_last("entropy_mean"),
+        "finish_rate_last10": mean_last("finish_rate"),
+        "eval_finished_final": evals[-1].get("eval_finished") if evals else None,
         "time_step_s_median": med("time_step_s"),
         "time_update_s_median": med("time_update_s"),
         "update_s_per_1k_tokens_median": med("update_s_per_1k_tokens"),

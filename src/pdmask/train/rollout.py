@@ -70,6 +70,7 @@ class RolloutStep:
     rewards: torch.Tensor  # (B,) float32
     advantages: torch.Tensor  # (B,) float32
     group_size: int
+    eos_id: int | None = None  # the tokenizer's end of sequence: finish_rate is logged when known
 
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
@@ -77,7 +78,11 @@ class RolloutStep:
         r, a = self.rewards, self.advantages
         return {"reward": r.mean(), "train_accuracy": (r > 0.5).float().mean(),
                 "response_length": self.batch.response_mask.sum(1).float().mean(),
-                "zero_adv_frac": (a == 0).float().mean()}
+                "zero_adv_frac": (a == 0).float().mean(),
+                # answers that end within max_new_tokens: the first-number reward does not
+                # punish a response that never ends, so this is watched beside the reward
+                **({"finish_rate": response_shape(self.batch, self.eos_id)[0].float().mean()}
+                   if self.eos_id is not None else {})}
 
     @property
     def flat_group_frac(self) -> torch.Tensor:
@@ -135,7 +140,7 @@ def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str]
     rewards = rewards_for(decode_responses(tokenizer, batch), [a for a in answers for _ in range(group_size)],
                           reward_fn)  # (B,)
     adv = group_advantages(rewards, group_size, std_norm=std_norm)  # (B,)
-    return RolloutStep(batch, rewards, adv, group_size)
+    return RolloutStep(batch, rewards, adv, group_size, getattr(tokenizer, "eos_token_id", None))
 
 
 @torch.no_grad()
@@ -143,11 +148,12 @@ def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str
                 max_new_tokens: int, batch_size: int = 256) -> dict[str, float]:
     """Greedy decoding on held-out prompts, scored by several reward functions.
 
-    Returns ``{name: mean reward for each name in rewards, "length": mean response length}``."""
+    Returns ``{name: mean reward for each name in rewards, "length": mean response length,
+    "finished": share of responses that end (write EOS) within max_new_tokens}``."""
     was_training = model.training
     model.eval()
     total = dict.fromkeys(rewards, 0.0)
-    length = 0.0
+    length = finished = 0.0
     for s in range(0, len(prompt_ids), batch_size):
         b = sample(model, prompt_ids[s:s + batch_size], max_new_tokens=max_new_tokens,
                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True, top_k_logprobs=1)
@@ -155,9 +161,10 @@ def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str
         for name, fn in rewards.items():
             total[name] += float(rewards_for(texts, answers[s:s + batch_size], fn).sum())
         length += float(b.response_mask.sum())
+        finished += float(response_shape(b, tokenizer.eos_token_id)[0].sum())
     model.train(was_training)
     n = max(len(prompt_ids), 1)
-    return {**{k: v / n for k, v in total.items()}, "length": length / n}
+    return {**{k: v / n for k, v in total.items()}, "length": length / n, "finished": finished / n}
 
 
 def greedy_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], reward_fn, *,
