@@ -77,8 +77,10 @@ def test_a_damaged_record_of_a_cell_is_one_line_naming_it(damage, plan, tmp_path
 def prefix_ladder(tmp_path, smoke, monkeypatch):
     """A ladder (one cell, 2 steps) and a prefix source ladder whose cell finished 4 steps of
     the same config; running cells and building the report are recorded, not done."""
-    from pdmask.train import ladder, ladder_report, sft
+    from pdmask.train import compare, grpo, ladder, ladder_report, sft  # noqa: F401
 
+    # grpo and compare bind ensure_sft_checkpoint at import: imported above, before the patch,
+    # they keep the real one for the tests after this one
     ran = []
     monkeypatch.setattr(ladder, "_run_cells", lambda todo, *a, **k: ran.extend((c.key, st) for c, st in todo))
     monkeypatch.setattr(sft, "ensure_sft_checkpoint", lambda *a, **k: None)
@@ -117,3 +119,22 @@ def test_a_damaged_prefix_source_is_not_taken_naming_the_file_and_the_cell_runs(
         assert needle in line, (needle, line)
     assert ran == [(cell.key, "todo")]  # the cell runs from scratch
     assert not (cell.cfg.run_dir / "metrics.jsonl").exists()
+
+
+def test_a_cell_whose_prefix_source_is_damaged_really_runs(tmp_path, smoke, smoke_cache, cli_run):
+    """No mock: the refused source leaves nothing in the cell, which trains to the end."""
+    from pdmask.train.ladder import cell_status
+
+    spec = _spec(tmp_path, smoke)
+    out = tmp_path / "out"
+    cell = _cell(spec, out)
+    src = tmp_path / "long" / "calm" / cell.cfg.run_name
+    _finished_run(src, cell.cfg, 4)
+    (src / "summary.json").write_bytes(b'{"run": ')
+    code, stdout, err = cli_run(["ladder", "--spec", spec, "--out", out, "--prefix-of", tmp_path / "long",
+                                 f"cache_dir={smoke_cache}"])
+    assert code == 0, err
+    assert f"not taking {cell.key}: prefix_of: {src / 'summary.json'}: not valid JSON" in stdout
+    assert cell_status(cell) == "done"  # cache_dir changes no result: the cell planned without it is this run
+    summary = json.loads((cell.cfg.run_dir / "summary.json").read_text())
+    assert "prefix_of" not in summary and summary["steps"] == 2
