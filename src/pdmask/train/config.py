@@ -400,6 +400,13 @@ def make_config(values: dict[str, Any], where: str = "config") -> TrainConfig:
     return TrainConfig(**out).validate()
 
 
+def _yaml_where(e) -> str:
+    """`` at line L, column C (problem)`` of a PyYAML error, on one line."""
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{at} ({getattr(e, 'problem', None) or str(e).splitlines()[0]})"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """Read a YAML preset (``None``: defaults) and apply overrides; validated."""
     import yaml
@@ -418,10 +425,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ValueError(f"config: {str(path)!r} is not valid YAML{at} ({problem})") from None
+            raise ValueError(f"config: {str(path)!r} is not valid YAML{_yaml_where(e)}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config: {path} must hold a mapping of key: value")
         if not all(isinstance(k, str) for k in data):
@@ -460,11 +464,26 @@ NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep
 
 
 def stored_config(run_dir: Path) -> dict | None:
-    """The ``config.yaml`` a run directory holds (None when it holds none)."""
+    """The ``config.yaml`` a run directory holds (None when it holds none).
+
+    Raises ValueError naming the file when it cannot be read as a mapping of key: value
+    (not UTF-8, not valid YAML, a list): a run's own record, damaged, is never a traceback."""
     import yaml
 
-    p = run_dir / "config.yaml"
-    return (yaml.safe_load(p.read_text()) or {}) if p.exists() else None
+    p = Path(run_dir) / "config.yaml"
+    if not p.exists():
+        return None
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML{_yaml_where(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: holds a {type(data).__name__}, not a mapping of key: value")
+    return data
 
 
 def config_diff(stored: dict, cfg: TrainConfig) -> dict:

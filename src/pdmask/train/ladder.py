@@ -231,7 +231,10 @@ def cell_status(cell: Cell) -> str:
     from .logging import read_jsonl
 
     d = cell.cfg.run_dir
-    stored = stored_config(d)
+    try:
+        stored = stored_config(d)
+    except ValueError as e:  # names the damaged file
+        raise ValueError(f"out: cell {cell.key}: {e}; repair it, or delete {d} to rerun the cell") from None
     if stored is None and not (d / "metrics.jsonl").exists():
         return "todo"
     if stored is not None:
@@ -240,7 +243,10 @@ def cell_status(cell: Cell) -> str:
             shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:4])
             raise ValueError(f"out: cell {cell.key} holds a run made with other settings ({shown}); "
                              f"use another --out, or delete {d} to rerun it")
-    recs = read_jsonl(d / "metrics.jsonl")
+    try:
+        recs = read_jsonl(d / "metrics.jsonl")
+    except ValueError as e:
+        raise ValueError(f"out: cell {cell.key}: {e}; repair it, or delete {d} to rerun the cell") from None
     last = max((r.get("step", 0) for r in recs), default=-1)
     if (d / "summary.json").exists() and last == cell.cfg.steps:
         return "done"
@@ -361,12 +367,13 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
         try:
             got = take_prefix(src, c.cfg)
         except PrefixRefused as e:
-            console.print(f"not taking {c.key}: {e}")
+            console.print(f"not taking {c.key}: {e}", markup=False, soft_wrap=True)  # one line, as said
             continue
         _log_event(out, event="prefix", cell=c.key, source=str(src), source_steps=got["source_steps"],
                    source_wall_s=got["source_wall_s"])
         n += 1
-        console.print(f"took {c.key}: the first {c.cfg.steps} of the {got['source_steps']} steps of {src}")
+        console.print(f"took {c.key}: the first {c.cfg.steps} of the {got['source_steps']} steps of {src}",
+                      markup=False, soft_wrap=True)
     return n
 
 

