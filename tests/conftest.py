@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.numerics import one_thread as _one_thread
+
 REPO = Path(__file__).resolve().parents[1]
 ENV_KEYS = {"packages", "python", "cpu_capability", "cpu_model", "cpu_count", "threads", "torch_threads", "os",
             "machine", "env", "git", "executable"}
@@ -36,6 +38,15 @@ def _check_environment(env: dict, *, threads) -> None:
         sha = p.stdout.strip() if p.returncode == 0 else None
     assert env["git"]["commit"] == sha
     assert (env["git"]["dirty"] is None) == (sha is None)
+
+
+@pytest.fixture
+def one_thread():
+    """Pins torch to one intra-op thread for the test and restores the count after: a test
+    asking for bitwise equality of two runs of the same operations uses it (see
+    tests/numerics.py), since several threads may order a reduction differently."""
+    with _one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -171,6 +171,7 @@ def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: fractions: each must lie in (0, 1], got [0.5, 2.0]"
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: the norm is this formula, the same ops, on one thread
 def test_copy64_computes_in_float64_and_leaves_the_model_alone(setup):
     cfg, model, rb, _, _ = setup
     m = copy64(model)

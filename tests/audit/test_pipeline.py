@@ -60,6 +60,7 @@ def test_audit_batch_invariants(setup):
     assert all(a == n for a, n in r.fidelity["response"]["K"][12].values())
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: two runs of one seeded audit, on one thread
 def test_step_mode_and_seeded_sampling(setup):
     pol, eng = setup
     rb, adv = sample_batch(eng, seed=1)

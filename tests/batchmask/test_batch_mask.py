@@ -80,6 +80,7 @@ def test_both_methods_equal_an_explicit_per_token_gradient_loop(method, tied):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.usefixtures("one_thread")  # bitwise auto vs jvp: one method, the same ops, on one thread
 def test_transformers_model_jvp_double_backward_and_loop_agree(arch):
     """transformers' RMSNorm computes in float32 even in a float64 model, so agreement is
     to float32 rounding; both methods differentiate exactly the same function."""
@@ -164,6 +165,7 @@ def test_mask_is_what_policy_loss_applies_with_the_batch_mode(scope):
     assert all(not t.requires_grad for t in mt.values())
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: ddot does not read is_cap, the same ops, on one thread
 def test_is_weight_scales_c_but_never_changes_the_mask():
     m = TinyLM(seed=6)
     batch = make_batch(m, seed=6)

@@ -48,6 +48,7 @@ def test_scope_all_mode_masks_every_outward_token_whatever_its_divergence():
     assert (out.token_loss[~out.mask] == 0).all() and (out.token_loss[out.mask & (A != 0) & args[6]] != 0).all()
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: the other mode's loss runs the same ops, on one thread
 def test_batch_ddot_is_kept_in_the_stats_of_any_mode_and_never_changes_another_mode():
     args, bd = _batch()
     a = flat.policy_loss(*args, mode="pdm-topk-kl", batch_ddot=bd)

@@ -137,6 +137,7 @@ def test_ddot_autograd_accepts_any_divergence():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: row-wise ops, the same per row at any chunk, on one thread
 def test_chunking_does_not_change_any_statistic():
     c = make_case(13, 37, 4, seed=8)
     a = stats_of(c)

@@ -236,6 +236,7 @@ def test_policy_loss_sequence_tis_and_opsm_by_hand():
     close(b["logits"].grad, (-w * a)[..., None] * (ek - pi) / 7)
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: the same operations in the same order, on one thread
 def test_default_arguments_change_nothing():
     c = make_case(N=12, V=30, K=4, seed=3)
     args = (c["logits"].view(3, 4, 30), c["sampled_ids"].view(3, 4), c["rollout_logprob"].view(3, 4),

@@ -58,6 +58,7 @@ def test_thresholds_resolve_to_the_modes_default():
     assert (th.delta_low, th.delta_high) == (pdmask.MODES["pdm-topk-tv"].default_delta, 0.3)
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: the same operations in the same order, on one thread
 def test_policy_loss_callable_equals_the_function():
     logits, r, adv = case()
     kw = dict(mode="pdm-topk-kl", thresholds=pdmask.Thresholds(0.02, 0.03),

@@ -36,6 +36,7 @@ def test_topk_logprobs_are_log_softmax_of_own_scaled_logits(tiny_model, prompts,
         assert (torch.log_softmax(b.rollout.logits, -1).gather(-1, b.rollout.topk_ids)[m] - b.rollout.topk_logprobs[m]).abs().max() > 1e-3
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: two runs of one seeded generation, on one thread
 def test_generation_deterministic_given_seed(tiny_model, prompts):
     eng = _engine(tiny_model)
     a = eng.generate(prompts, max_new_tokens=10, seed=7)
@@ -119,6 +120,7 @@ def test_fp32_no_mismatch_before_update_and_low_precision_mismatch(tiny_model, p
     assert kl["fp8"].mean() > kl["bf16"].mean() > kl["fp16"].mean()  # 3 < 7 < 10 mantissa bits
 
 
+@pytest.mark.usefixtures("one_thread")  # bitwise: the engine's two generations run the same ops, on one thread
 def test_engine_owns_its_weights(tiny_model, prompts):
     import copy
 

@@ -63,6 +63,7 @@ def test_torch_path_reads_the_logits_once(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.usefixtures("one_thread")  # bitwise: rollout_logits add no op to the gradient's path, on one thread
 def test_gradient_unchanged_by_rollout_logits(dtype):
     x, xr = _pair(7, 50, dtype, seed=3)
     k, tk = make_ids(7, 50, 3)

@@ -51,6 +51,7 @@ def _reference(model, opt, batch, adv, cfg, params):
 
 @pytest.mark.parametrize("params", ["all", "1"])
 @pytest.mark.parametrize("mode", BATCH_MODES)
+@pytest.mark.usefixtures("one_thread")  # bitwise phi: the shared forward is the same forward, on one thread
 def test_the_loss_applies_batch_masks_mask_on_the_shared_forward(setup, mode, params):
     cfg0, model0, opt0, batch, adv = setup
     # a delta below the drift, so O holds tokens of both directions

@@ -100,6 +100,7 @@ def test_rollout_step_logs_the_share_of_answers_that_end(parts):
 
 
 @pytest.mark.parametrize("grad_clip", [1e-3, 0.0])
+@pytest.mark.usefixtures("one_thread")  # bitwise loss: update_step calls compute_loss, the same ops, on one thread
 def test_update_step_is_loss_backward_clip_step(parts, grad_clip):
     cfg0, model0 = parts
     cfg = load_config(None, TINY + [f"grad_clip={grad_clip}", "lr=1e-2"])
