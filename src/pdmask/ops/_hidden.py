@@ -175,6 +175,9 @@ def trunc_backward(h, W, sampled_ids, lse, g, tau, kept_mask, *, temperature, ch
     step = rows_per_chunk(N, V, chunk_rows)
     dh = torch.empty_like(h) if need_h else None
     dW = torch.zeros(W.shape, dtype=cdt, device=W.device) if need_W else None
+    # rows without upstream gradient (padding) get G = 0 from _truncate.backward; their hidden
+    # states may still be NaN/inf, and 0 * NaN in G^T h would spoil the whole weight gradient
+    h_live = torch.where((g != 0)[:, None], h, torch.zeros_like(h)) if need_W else None
     for a in range(0, N, step):
         b = min(a + step, N)
         z = (h[a:b] @ W.T).to(cdt)  # the forward's logits, the same call, upcast after
@@ -184,7 +187,7 @@ def trunc_backward(h, W, sampled_ids, lse, g, tau, kept_mask, *, temperature, ch
         if need_h:
             dh[a:b] = G.to(h.dtype) @ W
         if need_W:
-            dW.addmm_(G.T, h[a:b].to(cdt))
+            dW.addmm_(G.T, h_live[a:b].to(cdt))
     return dh, (dW.to(W.dtype) if need_W else None)
 
 

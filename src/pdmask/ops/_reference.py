@@ -203,10 +203,16 @@ def truncated_row_stats(logits, sampled_ids, topk_ids, *, temperature: float, ke
         outside = ~keep.gather(1, sampled_ids[:, None]).squeeze(1)
         keep.scatter_(1, sampled_ids[:, None], True)
     ym = y.masked_fill(~keep, float("-inf"))
-    logq = torch.log_softmax(ym, -1)
-    out = {"logp": logq.gather(1, sampled_ids[:, None]).squeeze(1)}
     with torch.no_grad():
-        lq = logq.detach()
+        lq = torch.log_softmax(ym, -1)
+        # a row without a finite log-sum-exp over its kept set (NaN/inf logits: padding may
+        # hold anything) keeps its NaN values but takes no gradient: autograd through
+        # log_softmax would give it (and, through 0 * NaN, nothing else) NaN
+        bad = ~torch.isfinite(torch.logsumexp(ym, -1))
+    logq = torch.log_softmax(ym.masked_fill(bad[:, None], 0.0), -1)
+    k = sampled_ids[:, None]
+    out = {"logp": torch.where(bad, lq.gather(1, k).squeeze(1), logq.gather(1, k).squeeze(1))}
+    with torch.no_grad():
         p = lq.exp()
         out.update(
             lse=torch.logsumexp(ym.detach(), -1),

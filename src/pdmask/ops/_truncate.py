@@ -174,6 +174,9 @@ def backward(logits, sampled_ids, lse, grad_logp, tau, kept_mask, *, temperature
         ins.scatter_(1, kk, True)
         p = y.sub_(lse[a:b, None]).exp_().masked_fill_(~ins, 0.0)
         p.mul_(-gc[a:b, None]).scatter_add_(1, kk, gc[a:b, None])
+        # a row without upstream gradient (padding) is exactly 0, whatever its logits hold:
+        # NaN/inf logits make p NaN there, and 0 * NaN is NaN
+        p.masked_fill_(gc[a:b, None] == 0, 0.0)
         grad[a:b] = p.to(grad.dtype)
     return grad
 
