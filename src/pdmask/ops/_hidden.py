@@ -9,7 +9,11 @@ with an online log-sum-exp. With the running row max ``m`` and, per chunk,
 
 then ``lse = m + log s``, ``sum_p2 = q / s^2``, ``entropy = log s - w / s`` (as in the
 kernel of :mod:`pdmask.ops._kernel`). The sampled and top-K logits are picked out of the
-chunk that holds them, so they carry exactly the roundings of the chunk's logits.
+chunk that holds them, so they carry exactly the roundings of the chunk's logits. With the
+top-K the tail of ``S' = topK ∪ {k}`` is summed on its own in the same walk (``e`` zeroed
+at the chunk's support ids, whose terms are added to ``s``, ``q``, ``w`` apart: ``t``,
+``qt`` rescaled like ``s``, ``q``), and rows whose tail could have underflowed are
+recomputed with its own max (as in :mod:`pdmask.ops._torch`).
 
 Backward of ``sum_n g_n log pi_{k_n}`` (``G = g (e_k - p) / T``, (N, V), never whole)::
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._autograd import outputs_tuple
-from ._reference import compute_dtype
+from ._reference import compute_dtype, support_ids, tail_rescue_below, tail_rows
 
 #: Elements of one (N, Vc) float32 chunk of logits.
 CHUNK_ELEMENTS = 1 << 22
@@ -58,6 +62,11 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     s, q, w = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(3))
     zk = torch.full((N, 1), float("nan"), dtype=cdt, device=h.device)
     zt = None if topk_ids is None else torch.full(topk_ids.shape, float("nan"), dtype=cdt, device=h.device)
+    sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
+    t, qt = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(2))  # the tail's s and q
+    if sup is not None:  # weight of each support column: 0 on k's when k is also a top-K id
+        once = torch.ones(sup.shape, dtype=cdt, device=h.device)
+        once[:, -1] = (topk_ids != sampled_ids[:, None]).all(-1).to(cdt)
     for a in range(0, V, step):
         b = min(a + step, V)
         z = _chunk_logits(h, W, a, b, c, cdt)
@@ -71,9 +80,24 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
         d = torch.where(first, torch.zeros_like(m), m - m_sub)
         y = z.sub_(m_sub[:, None])
         e = torch.exp(y)
+        if sup is not None:
+            # this chunk's support entries out of e (a product by 0 where inside, 1 for ids
+            # clamped in from elsewhere: collisions cannot matter), their terms kept apart:
+            # the sums below read the tail alone, at no extra pass
+            inside = (sup >= a) & (sup < b)
+            idx = (sup - a).clamp_(0, b - a - 1)
+            es = torch.where(inside, e.gather(1, idx), torch.zeros_like(once)).mul_(once)
+            ys = y.gather(1, idx)
+            e.scatter_reduce_(1, idx, (~inside).to(cdt), "prod")
         se = e.sum(-1)
         qe = torch.linalg.vecdot(e, e)
         we = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
+        if sup is not None:
+            t = alpha * t + se
+            qt = alpha * alpha * qt + qe
+            se = se + es.sum(-1)
+            qe = qe + (es * es).sum(-1)
+            we = we + torch.where(es > 0, es * ys, torch.zeros_like(es)).sum(-1)
         w = alpha * (w + d * s) + we
         s = alpha * s + se
         q = alpha * alpha * q + qe
@@ -84,7 +108,27 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     out = {"lse": lse, "logp": zk.squeeze(1) - lse, "sum_p2": q / (s * s), "entropy": log_s - w / s}
     if zt is not None:
         out["topk_logp"] = zt - lse[:, None]
+        out["lse_tail"] = m_fin + t.log()
+        out["sum_p2_tail"] = qt / (s * s)
+        _rescue_tails(h, W, sup, t, lse, out, c, cdt)
     return out
+
+
+def _rescue_tails(h, W, sup, t, lse, out, c, cdt) -> None:
+    """Rows whose tail could have underflowed: the logits again, a few rows at a time, and
+    :func:`._reference.tail_rows` (the tail's own max)."""
+    V = W.shape[0]
+    bad = t < tail_rescue_below(h.dtype, V)
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero().squeeze(1)
+    step = max(1, CHUNK_ELEMENTS // V)
+    for a in range(0, idx.numel(), step):
+        r = idx[a : a + step]
+        z = (h[r] @ W.T).to(cdt)
+        if c != 1.0:
+            z.mul_(c)
+        out["lse_tail"][r], out["sum_p2_tail"][r] = tail_rows(z, sup[r], lse[r])
 
 
 def backward(h, W, sampled_ids, lse, g, *, temperature, chunk_cols, need_h=True, need_W=True):
@@ -128,7 +172,7 @@ class HiddenRowStats(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_lse, g_logp, g_sp2, g_ent, g_tk):
+    def backward(ctx, g_lse, g_logp, *rest):
         h, W, ids, lse = ctx.saved_tensors
         dh, dW = backward(h, W, ids, lse, g_logp, temperature=ctx.temperature, chunk_cols=ctx.chunk_cols,
                           need_h=ctx.needs_input_grad[0], need_W=ctx.needs_input_grad[1])

@@ -13,6 +13,20 @@ compute dtype and ``m`` the row max of z::
     entropy = log s - w / s                (= -sum p log p; both terms >= 0, no cancellation)
     logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
 
+With the rollout's top-K the chunk also gives the tail of the support ``S' = topK ∪ {k}``:
+the K+1 support entries of ``e`` are zeroed, so the passes over the chunk sum the tail's
+own terms, ``t = sum_{tail} e``, ``qt = sum_{tail} e^2``, and the support's terms are added
+back after the loop from the gathered logits (``s = t + sum_{S'} e``, likewise ``q``, ``w``):
+no extra pass, and never ``s`` minus the support (that difference rounds away a tail below
+~6e-8 of the mass in float32)::
+
+    lse_tail    = m + log t            (log pi_T = lse_tail - lse)
+    sum_p2_tail = qt / s^2
+
+Rows whose ``t`` is so small that underflowed terms could matter
+(:func:`._reference.tail_rescue_below`) are recomputed with the tail's own max
+(:func:`._reference.tail_rows`); rows of ordinary policies never are.
+
 With the rollout policy's full logits (``rollout_logits``) the same chunk also gives the
 full-vocabulary terms (:func:`._reference.full_terms` on ``log pi = y - log s`` and
 ``pi = e / s``), so the logits are read once; that costs a few more chunk buffers.
@@ -25,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ._reference import FULL_KEYS, compute_dtype, full_terms
+from ._reference import FULL_KEYS, compute_dtype, full_terms, support_ids, tail_rescue_below, tail_rows
 
 #: Elements per chunk buffer (two buffers): 512 Ki elements = 2 MiB of float32 each,
 #: small enough to stay in the last-level cache while the chunk is reduced.
@@ -65,7 +79,8 @@ def forward(
 ) -> dict[str, torch.Tensor]:
     """Row statistics of ``softmax(logits / temperature)``; see the module docstring.
 
-    With ``rollout_logits`` the dict also holds the :data:`._reference.FULL_KEYS`."""
+    With ``topk_ids`` the dict also holds the :data:`._reference.TAIL_KEYS`, with
+    ``rollout_logits`` the :data:`._reference.FULL_KEYS`."""
     N, V = logits.shape
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
@@ -80,6 +95,11 @@ def forward(
     ebuf = torch.empty(rows, V, dtype=cdt, device=dev)
     same = logits.dtype == cdt
     full = None if rollout_logits is None else {k: torch.empty(N, dtype=cdt, device=dev) for k in FULL_KEYS}
+    sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
+    if sup is not None:
+        # weight of each support column: 0 on the k column when k is also a top-K id
+        once = torch.ones(sup.shape, dtype=cdt, device=dev)
+        once[:, -1] = (topk_ids != sampled_ids[:, None]).all(-1).to(cdt)
     for a in range(0, N, step):
         b = min(a + step, N)
         x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
@@ -100,17 +120,28 @@ def forward(
             _safe_max(mc)
             y.sub_(mc)
         torch.exp(y, out=e)
-        torch.sum(e, -1, out=s[a:b])
         if full is not None:  # before y and e are overwritten below
-            sc = s[a:b, None]
+            sc = e.sum(-1, keepdim=True)
             terms = full_terms(y - sc.log(), e / sc, rollout_logits[a:b].to(cdt) / temperature, sampled_ids[a:b])
             for k, v in terms.items():
                 full[k][a:b] = v
+        if sup is not None:
+            # the K+1 support entries out of e: the passes below sum the tail alone, and
+            # the support's terms are added back after the loop, at no extra pass
+            e.scatter_(1, sup[a:b], 0.0)
+        torch.sum(e, -1, out=s[a:b])
         y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
         torch.sum(y, -1, out=w[a:b])
         e.mul_(e)
         torch.sum(e, -1, out=q[a:b])
     del ybuf, ebuf
+    if sup is not None:
+        t, qt = s.clone(), q.clone()
+        ys = _logp_at(logits, sup, m, 0.0, c)  # z - m at the support, as the chunks rounded it
+        es = ys.exp().mul_(once)  # a k inside the top-K is counted once
+        s.add_(es.sum(-1))
+        q.add_((es * es).sum(-1))
+        w.add_(torch.where(es > 0, es * ys, torch.zeros_like(es)).sum(-1))
     _fix_neg_inf(logits, m, s, w, c, step)
     log_s = s.log()
     lse = m.squeeze(1) + log_s
@@ -122,6 +153,9 @@ def forward(
     }
     if topk_ids is not None:
         out["topk_logp"] = _logp_at(logits, topk_ids, m, log_s[:, None], c)
+        out["lse_tail"] = m.squeeze(1) + t.log()
+        out["sum_p2_tail"] = qt / (s * s)
+        rescue_tails(logits, sup, t, lse, out["lse_tail"], out["sum_p2_tail"], c, step)
     if full is not None:
         out.update(full)
     return out
@@ -133,6 +167,22 @@ def _logp_at(logits, ids, m, log_s, c) -> torch.Tensor:
     if c != 1.0:
         xg.mul_(c)
     return xg.sub_(m).sub_(log_s)
+
+
+def rescue_tails(logits, sup, t, lse, lse_tail, sum_p2_tail, c, step) -> None:
+    """Recompute, in place, the tail of rows whose tail sum ``t`` (relative to the row max)
+    is below :func:`._reference.tail_rescue_below`, with the tail's own max
+    (:func:`._reference.tail_rows`). A row with NaN logits (NaN ``t``) is left alone."""
+    bad = t < tail_rescue_below(logits.dtype, logits.shape[1])
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero().squeeze(1)
+    for a in range(0, idx.numel(), step):
+        r = idx[a : a + step]
+        z = logits[r].to(lse.dtype)
+        if c != 1.0:
+            z.mul_(c)
+        lse_tail[r], sum_p2_tail[r] = tail_rows(z, sup[r], lse[r])
 
 
 def _fix_neg_inf(logits, m, s, w, c, step) -> None:
