@@ -107,6 +107,7 @@ def _mu_k_seen(s: Support) -> torch.Tensor:
     sampled token in the tail bucket (support ``"topk"``), the tail's share
     ``mu_T pi_k / pi_T`` (``pi_k <= pi_T``: a ratio of logs, accurate at any tail size)."""
     share = torch.exp(s.logpi_k - s.logpi_tail).clamp(max=1.0)
+    share = torch.where(s.logpi_tail > float("-inf"), share, torch.zeros_like(share))  # pi_T = 0: pi_k = 0
     return torch.where(s.k_in, s.mu_k, s.mu_tail * share)
 
 

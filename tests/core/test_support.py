@@ -276,3 +276,17 @@ def test_default_support_unchanged_by_the_option():
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert math.isfinite(a["topk_kl"].sum().item())
+
+
+@pytest.mark.parametrize("support", ["topk+sampled", TOPK])
+def test_sampled_token_with_zero_probability_and_an_empty_tail_stays_finite(support):
+    """k outside the top-K with a -inf logit, and every other tail logit -inf: pi_k = pi_T = 0
+    (for ``"topk"`` the tail's share pi_k / pi_T is 0/0, taken as 0)."""
+    z = torch.tensor([[[1.0, 2.0, -math.inf, -math.inf]]], dtype=F64)
+    r = pdmask.Rollout(torch.tensor([[2]]), torch.tensor([[math.log(0.1)]], dtype=F64), torch.tensor([[[1, 0]]]),
+                       torch.tensor([[[math.log(0.5), math.log(0.3)]]], dtype=F64))
+    st = pdmask.token_stats(z, r, support=support)
+    assert st["policy_tail_mass"].item() == 0.0
+    for key, v in st.items():
+        if v.dtype.is_floating_point and key not in ("logp", "log_ratio"):
+            assert torch.isfinite(v).all(), key

@@ -232,7 +232,7 @@ def forward(
         lt, p2t = (torch.empty(N, dtype=f32, device=dev) for _ in range(2))
         # S' = topK ∪ {k}, sorted, then the sentinel V that stops the kernel's walk
         sup = torch.cat([tk, ids[:, None], torch.full_like(ids[:, None], V)], 1).sort(1).values.contiguous()
-    else:  # placeholders, never read (HAS_TOPK is a compile-time False)
+    else:  # placeholders (HAS_TOPK is a compile-time False: only sup's first id is loaded, unused)
         K, tk, tlp, lt, p2t, sup = 1, ids[:, None], lse[:, None], lse, lse, ids[:, None]
     out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
     if has_topk:
