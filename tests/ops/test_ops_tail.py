@@ -110,3 +110,20 @@ def test_tails_survive_flushed_subnormals(flush_to_zero, dtype, path):
         keep[torch.arange(len(k)), k] = True
     torch.set_flush_denormal(False)  # the float64 oracle never meets subnormals; restore before it runs
     assert_tail_agrees(got, x, k, tk, dtype, keep=keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("path", ["torch", "reference", "hidden", "truncated"])
+def test_the_tail_changes_no_other_statistic(dtype, path):
+    """The tail is summed beside the other statistics, never into them: with and without the
+    top-K, lse, logp, sum_p2 and entropy are the same bits (earlier figures reproduce)."""
+    x, k, tk = tail_case(dtype=dtype, seed=8)
+    if path == "hidden":
+        W = torch.eye(x.shape[1], dtype=dtype)
+        a, b = (ops.hidden_row_stats(x, W, k, t, chunk_cols=53) for t in (tk, None))
+    elif path == "truncated":
+        a, b = (ops.row_stats(x, k, t, truncation=ops.Sampling(top_p=0.99), chunk_rows=3) for t in (tk, None))
+    else:
+        a, b = (ops.row_stats(x, k, t, impl=path, chunk_rows=3) for t in (tk, None))
+    for key in ("lse", "logp", "sum_p2", "entropy"):
+        assert torch.equal(a[key], b[key]), key

@@ -96,6 +96,13 @@ def test_extreme_tails(dtype):
         assert_tail_agrees(run(x, k, tk, temperature=T), x, k, tk, dtype, T)
 
 
+def test_the_tail_changes_no_other_statistic():
+    x, k, tk = tail_case(dtype=torch.float32, seed=14)
+    a, b = run(x, k, tk), run(x, k, None)
+    for key in ("lse", "logp", "sum_p2", "entropy"):
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_extreme_tails_through_token_stats():
     """The issue-31 reproduction through the kernel: float32 within 1e-4 of float64."""
     g = torch.Generator().manual_seed(0)

@@ -10,10 +10,10 @@ with an online log-sum-exp. With the running row max ``m`` and, per chunk,
 then ``lse = m + log s``, ``sum_p2 = q / s^2``, ``entropy = log s - w / s`` (as in the
 kernel of :mod:`pdmask.ops._kernel`). The sampled and top-K logits are picked out of the
 chunk that holds them, so they carry exactly the roundings of the chunk's logits. With the
-top-K the tail of ``S' = topK ∪ {k}`` is summed on its own in the same walk (``e`` zeroed
-at the chunk's support ids, whose terms are added to ``s``, ``q``, ``w`` apart: ``t``,
-``qt`` rescaled like ``s``, ``q``), and rows whose tail could have underflowed are
-recomputed with its own max (as in :mod:`pdmask.ops._torch`).
+top-K the tail of ``S' = topK ∪ {k}`` is summed on its own in the same walk (after ``s``,
+``q``, ``w``, ``e`` zeroed at the chunk's support ids: ``t``, ``qt`` rescaled like ``s``,
+``q``), and rows whose tail could have underflowed are recomputed with its own max (as in
+:mod:`pdmask.ops._torch`).
 
 Backward of ``sum_n g_n log pi_{k_n}`` (``G = g (e_k - p) / T``, (N, V), never whole)::
 
@@ -64,9 +64,6 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     zt = None if topk_ids is None else torch.full(topk_ids.shape, float("nan"), dtype=cdt, device=h.device)
     sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
     t, qt = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(2))  # the tail's s and q
-    if sup is not None:  # weight of each support column: 0 on k's when k is also a top-K id
-        once = torch.ones(sup.shape, dtype=cdt, device=h.device)
-        once[:, -1] = (topk_ids != sampled_ids[:, None]).all(-1).to(cdt)
     for a in range(0, V, step):
         b = min(a + step, V)
         z = _chunk_logits(h, W, a, b, c, cdt)
@@ -80,24 +77,16 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
         d = torch.where(first, torch.zeros_like(m), m - m_sub)
         y = z.sub_(m_sub[:, None])
         e = torch.exp(y)
-        if sup is not None:
-            # this chunk's support entries out of e (a product by 0 where inside, 1 for ids
-            # clamped in from elsewhere: collisions cannot matter), their terms kept apart:
-            # the sums below read the tail alone, at no extra pass
-            inside = (sup >= a) & (sup < b)
-            idx = (sup - a).clamp_(0, b - a - 1)
-            es = torch.where(inside, e.gather(1, idx), torch.zeros_like(once)).mul_(once)
-            ys = y.gather(1, idx)
-            e.scatter_reduce_(1, idx, (~inside).to(cdt), "prod")
         se = e.sum(-1)
         qe = torch.linalg.vecdot(e, e)
         we = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
         if sup is not None:
-            t = alpha * t + se
-            qt = alpha * alpha * qt + qe
-            se = se + es.sum(-1)
-            qe = qe + (es * es).sum(-1)
-            we = we + torch.where(es > 0, es * ys, torch.zeros_like(es)).sum(-1)
+            # e is spent: this chunk's support entries zeroed (a product by 0 where inside,
+            # by 1 for ids clamped in from elsewhere: collisions cannot matter), the tail summed
+            inside = (sup >= a) & (sup < b)
+            e.scatter_reduce_(1, (sup - a).clamp_(0, b - a - 1), (~inside).to(cdt), "prod")
+            t = alpha * t + e.sum(-1)
+            qt = alpha * alpha * qt + torch.linalg.vecdot(e, e)
         w = alpha * (w + d * s) + we
         s = alpha * s + se
         q = alpha * alpha * q + qe

@@ -14,11 +14,10 @@ compute dtype and ``m`` the row max of z::
     logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
 
 With the rollout's top-K the chunk also gives the tail of the support ``S' = topK ∪ {k}``:
-the K+1 support entries of ``e`` are zeroed, so the passes over the chunk sum the tail's
-own terms, ``t = sum_{tail} e``, ``qt = sum_{tail} e^2``, and the support's terms are added
-back after the loop from the gathered logits (``s = t + sum_{S'} e``, likewise ``q``, ``w``):
-no extra pass, and never ``s`` minus the support (that difference rounds away a tail below
-~6e-8 of the mass in float32)::
+two more sums over the chunk with the K+1 support entries of ``e`` (then ``e^2``) zeroed,
+``t = sum_{tail} e`` and ``qt = sum_{tail} e^2``, never ``s`` minus the support (that
+difference rounds away a tail below ~6e-8 of the mass in float32). ``s``, ``q`` and ``w``
+are summed exactly as without the top-K, so the other statistics keep their bits::
 
     lse_tail    = m + log t            (log pi_T = lse_tail - lse)
     sum_p2_tail = qt / s^2
@@ -97,9 +96,8 @@ def forward(
     full = None if rollout_logits is None else {k: torch.empty(N, dtype=cdt, device=dev) for k in FULL_KEYS}
     sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
     if sup is not None:
-        # weight of each support column: 0 on the k column when k is also a top-K id
-        once = torch.ones(sup.shape, dtype=cdt, device=dev)
-        once[:, -1] = (topk_ids != sampled_ids[:, None]).all(-1).to(cdt)
+        t = torch.empty(N, dtype=cdt, device=dev)  # sum of e over the tail (outside S')
+        qt = torch.empty(N, dtype=cdt, device=dev)  # sum of e^2 there
     for a in range(0, N, step):
         b = min(a + step, N)
         x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
@@ -120,28 +118,26 @@ def forward(
             _safe_max(mc)
             y.sub_(mc)
         torch.exp(y, out=e)
+        torch.sum(e, -1, out=s[a:b])
         if full is not None:  # before y and e are overwritten below
-            sc = e.sum(-1, keepdim=True)
+            sc = s[a:b, None]
             terms = full_terms(y - sc.log(), e / sc, rollout_logits[a:b].to(cdt) / temperature, sampled_ids[a:b])
             for k, v in terms.items():
                 full[k][a:b] = v
-        if sup is not None:
-            # the K+1 support entries out of e: the passes below sum the tail alone, and
-            # the support's terms are added back after the loop, at no extra pass
-            e.scatter_(1, sup[a:b], 0.0)
-        torch.sum(e, -1, out=s[a:b])
+        if sup is not None:  # the tail's sum: the K+1 support entries zeroed, then put back
+            ids_s = sup[a:b]
+            es = e.gather(1, ids_s)
+            e.scatter_(1, ids_s, 0.0)
+            torch.sum(e, -1, out=t[a:b])
+            e.scatter_(1, ids_s, es)
         y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
         torch.sum(y, -1, out=w[a:b])
         e.mul_(e)
         torch.sum(e, -1, out=q[a:b])
+        if sup is not None:  # e holds e^2 now: the tail's with the support zeroed again
+            e.scatter_(1, ids_s, 0.0)
+            torch.sum(e, -1, out=qt[a:b])
     del ybuf, ebuf
-    if sup is not None:
-        t, qt = s.clone(), q.clone()
-        ys = _logp_at(logits, sup, m, 0.0, c)  # z - m at the support, as the chunks rounded it
-        es = ys.exp().mul_(once)  # a k inside the top-K is counted once
-        s.add_(es.sum(-1))
-        q.add_((es * es).sum(-1))
-        w.add_(torch.where(es > 0, es * ys, torch.zeros_like(es)).sum(-1))
     _fix_neg_inf(logits, m, s, w, c, step)
     log_s = s.log()
     lse = m.squeeze(1) + log_s

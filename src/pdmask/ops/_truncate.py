@@ -126,8 +126,6 @@ def forward(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling=
     tk_out = None if topk_ids is None else torch.empty(topk_ids.shape, dtype=cdt, device=dev)
     if topk_ids is not None:
         sup = support_ids(topk_ids, sampled_ids)
-        once = torch.ones(sup.shape, dtype=cdt, device=dev)  # 0 on k's column when k is a top-K id
-        once[:, -1] = (topk_ids != sampled_ids[:, None]).all(-1).to(cdt)
         tail = {k: torch.empty(N, dtype=cdt, device=dev) for k in ("lse_tail", "sum_p2_tail")}
         rescue = tail_rescue_below(logits.dtype, V)
     for a in range(0, N, step):
@@ -146,21 +144,13 @@ def forward(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling=
         e = y.exp()
         s_all = e.sum(-1)
         e.masked_fill_(~ins, 0.0)
-        if topk_ids is not None:
-            # the support's entries out of e, their terms kept apart: the sums below read
-            # the kept tail alone (t, qt), at no extra pass; a k in the top-K counted once
-            sc = sup[a:b]
-            es = e.gather(1, sc).mul_(once[a:b])
-            ys = y.gather(1, sc)
-            e.scatter_(1, sc, 0.0)
         s = e.sum(-1)
         q = torch.linalg.vecdot(e, e)
         w = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
-        if topk_ids is not None:
-            t, qt = s, q
-            s = s + es.sum(-1)
-            q = q + (es * es).sum(-1)
-            w = w + torch.where(es > 0, es * ys, torch.zeros_like(es)).sum(-1)
+        if topk_ids is not None:  # e is spent: the kept tail alone, the support zeroed
+            e.scatter_(1, sup[a:b], 0.0)
+            t = e.sum(-1)
+            qt = torch.linalg.vecdot(e, e)
         log_s = s.log()
         out["lse"][a:b] = m + log_s
         out["logp"][a:b] = y.gather(1, kk).squeeze(1) - log_s
