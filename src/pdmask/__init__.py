@@ -30,7 +30,7 @@ from .batchmask import BatchMask, batch_mask
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
 from .directions import ddot_autograd
-from .keys import ESTIMATORS, ddot_key
+from .keys import ESTIMATORS, SUPPORTS, ddot_key
 from .loss import (
     Aggregation, PolicyLoss, PolicyLossOutput, aggregate, policy_loss, policy_loss_from_hidden, token_loss,
     trust_region_mask,
@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aggregation", "BatchMask", "Compute", "Corrections", "ESTIMATORS", "MODES", "MaskMode", "PolicyLoss",
-    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "Sampling", "Thresholds",
+    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "Thresholds",
     "aggregate", "batch_mask", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
     "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign",
     "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",

@@ -26,6 +26,12 @@ truncated      0                      tail's global contribution ignored (baseli
 
 For KL this gives the tail contribution ``mu_T q - P2`` with ``q = P2 / pi_T`` to the
 global term ``sum_i pi_i (mu_i - pi_i)``, which is METHOD.md's table.
+
+With the support ``"topk"`` (:data:`pdmask.keys.SUPPORTS`) a sampled token outside the
+top-K lies in the tail bucket. Its ``g_k = dD/dpi_k`` is then the tail's (KL:
+``-mu_T / pi_T``, TV: ``s_T``), so the local term reads ``pi_k - pi_k mu_T / pi_T`` (mu_k
+estimated as the tail's share ``mu_T pi_k / pi_T``) and ``P2`` includes ``pi_k^2``; nothing
+else changes (METHOD.md section 4).
 """
 
 from __future__ import annotations
@@ -96,13 +102,23 @@ def ddot_binary_kl(logp, sampled_logprob, sum_p2) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- top-K
+def _mu_k_seen(s: Support) -> torch.Tensor:
+    """What the top-K divergence takes mu_k to be: its entry on the support, or, for a
+    sampled token in the tail bucket (support ``"topk"``), the tail's share
+    ``mu_T pi_k / pi_T`` (``pi_k <= pi_T``: a ratio of logs, accurate at any tail size)."""
+    share = torch.exp(s.logpi_k - s.logpi_tail).clamp(max=1.0)
+    share = torch.where(s.logpi_tail > float("-inf"), share, torch.zeros_like(share))  # pi_T = 0: pi_k = 0
+    return torch.where(s.k_in, s.mu_k, s.mu_tail * share)
+
+
 def ddot_topk_kl(s: Support, estimator: str) -> torch.Tensor:
-    """``Ddot`` of the top-K KL: ``(pi_k - mu_k) + sum_{S'} pi_i (mu_i - pi_i) + mu_T q - P2``.
+    """``Ddot`` of the top-K KL: ``(pi_k - mu_k) + sum_S pi_i (mu_i - pi_i) + mu_T q - P2``
+    (``mu_k``: :func:`_mu_k_seen`).
 
     Naive torch (exact estimator): build the bucketed top-K KL as a function of the
     full logits and take ``autograd.grad(D, z) @ (e_k - pi)``; see :func:`ddot_autograd`.
     """
-    local = s.pi_k - s.mu_k
+    local = s.pi_k - _mu_k_seen(s)
     body = (s.pi * (s.mu - s.pi)).sum(-1)
     p2 = tail_p2(s, estimator)
     tail = s.mu_tail * _tail_mean_pi(s, p2) - p2
@@ -115,6 +131,8 @@ def ddot_topk_tv(s: Support, estimator: str) -> torch.Tensor:
         gbar = sum_{S'} pi_i s_i + pi_T s_T
         Ddot = pi_k (s_k - gbar) - sum_{S'} pi_i^2 (s_i - gbar) - P2 (s_T - gbar)
 
+    (``s_k = s_T`` for a sampled token in the tail bucket, support ``"topk"``.)
+
     With the exact P2 this equals METHOD.md's
     ``sum_{S'} s_i pi_i (u_i - ubar) + s_T (-sum_tail pi_i^2 - pi_T ubar)``. A
     subgradient at ties (sign 0).
@@ -122,7 +140,7 @@ def ddot_topk_tv(s: Support, estimator: str) -> torch.Tensor:
     sg = 0.5 * torch.sign(s.pi - s.mu) * s.valid
     s_t = 0.5 * torch.sign(s.pi_tail - s.mu_tail)
     gbar = (s.pi * sg).sum(-1) + s.pi_tail * s_t
-    s_k = sg.gather(1, s.k_col[:, None]).squeeze(1)
+    s_k = torch.where(s.k_in, sg.gather(1, s.k_col[:, None]).squeeze(1), s_t)  # k in the tail: s_T
     p2 = tail_p2(s, estimator)
     return s.pi_k * (s_k - gbar) - (s.pi * s.pi * (sg - gbar[:, None])).sum(-1) - p2 * (s_t - gbar)
 

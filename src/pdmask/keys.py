@@ -7,7 +7,8 @@ takes the names from here, so that a key such as ``ddot_topk_kl_exact`` is writt
   ``topk_tv`` (rollout top-K plus a tail bucket), ``full_kl``, ``full_tv`` (the rollout's
   full logits; simulation / oracle).
 - estimators of the top-K tail in ``Ddot``: ``exact``, ``aggregated``, ``uniform``,
-  ``truncated`` (docs/core.md).
+  ``truncated`` (docs/core.md); supports of the top-K divergences: ``topk+sampled``,
+  ``topk``.
 - ``ddot_key(div, est)``: the stat key of ``Ddot`` of ``div`` (the estimator matters for
   the top-K divergences only).
 - ``BATCH_DDOT``: the stat key of an externally computed direction (the batch-aware
@@ -17,6 +18,10 @@ takes the names from here, so that a key such as ``ddot_topk_kl_exact`` is writt
 from __future__ import annotations
 
 ESTIMATORS = ("exact", "aggregated", "uniform", "truncated")
+#: The supports of the top-K divergences: ``"topk+sampled"`` (default) ``S' = topK ∪ {k}``;
+#: ``"topk"`` the rollout's top-K alone, a sampled token outside it in the tail bucket (the
+#: DPPO reference code, Stable-RL's ``compute_topk_kl``). docs/core.md, METHOD.md section 3.
+SUPPORTS = ("topk+sampled", "topk")
 BINARY_DIVERGENCES = ("binary_tv", "binary_kl")
 TOPK_DIVERGENCES = ("topk_kl", "topk_tv")
 FULL_DIVERGENCES = ("full_kl", "full_tv")

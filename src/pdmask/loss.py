@@ -27,7 +27,7 @@ from ._validate import Checks, check_choice, check_device, prepare, prepare_rows
 from .aggregation import Aggregation, aggregate  # noqa: F401  (Aggregation re-exported: pdmask.loss.Aggregation)
 from .corrections import Corrections, apply_corrections, is_weight
 from .divergences import floor_neginf, masked_mean
-from .keys import BATCH_DDOT, ESTIMATORS
+from .keys import BATCH_DDOT, ESTIMATORS, SUPPORTS
 from .masks import MODES, SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats
 from .ops import Compute, Sampling
 from .rollout import Rollout
@@ -233,6 +233,9 @@ class PolicyLoss:
         mode: a name in :data:`pdmask.MODES`, or a :class:`MaskMode`.
         estimator: top-K tail estimator of ``Ddot``: ``exact`` (default), ``aggregated``
             (the paper), ``uniform``, ``truncated``.
+        support: the support of the top-K divergences: ``topk+sampled`` (default, the
+            rollout's top-K plus the sampled token) or ``topk`` (the top-K alone, as the
+            DPPO reference code; docs/core.md). Not with the ``pdm-batch-*`` modes.
         thresholds: :class:`Thresholds` (None: the mode's deltas, eps 0.2).
         corrections: :class:`pdmask.Corrections` (None: the token IS weight ``min(r, 5)``).
         sampling: :class:`pdmask.Sampling`, the engine's temperature and truncation
@@ -244,6 +247,7 @@ class PolicyLoss:
 
     mode: object = "pdm-topk-kl"
     estimator: str = "exact"
+    support: str = "topk+sampled"
     thresholds: Thresholds | None = None
     corrections: Corrections | None = None
     sampling: Sampling | None = None
@@ -255,6 +259,10 @@ class PolicyLoss:
     def __post_init__(self) -> None:
         mode = get_mode(self.mode)
         check_choice("estimator", self.estimator, ESTIMATORS)
+        check_choice("support", self.support, SUPPORTS)
+        if self.support != SUPPORTS[0] and "batch" in mode.needs:
+            raise ValueError(f"support: mode {mode.name!r} builds its batch direction on the default support "
+                             f"{SUPPORTS[0]!r}; {self.support!r} is not available with the pdm-batch-* modes")
         for name, cls in (("thresholds", Thresholds), ("corrections", Corrections), ("sampling", Sampling),
                           ("aggregation", Aggregation), ("compute", Compute)):
             object.__setattr__(self, name, _spec(name, getattr(self, name), cls))
@@ -297,7 +305,8 @@ class PolicyLoss:
                 aggregation.check_values(checks)
             checks.run()
         adv = torch.where(batch.valid, adv, torch.zeros_like(adv))
-        stats = stats_from_batch(batch, sampling=self.sampling, compute=compute, validate=self.validate)
+        stats = stats_from_batch(batch, sampling=self.sampling, compute=compute, validate=self.validate,
+                                 support=self.support)
         if ddot is not None:
             ddot = ddot.to(stats["log_ratio"].dtype)
             stats[BATCH_DDOT] = torch.where(batch.valid, ddot, torch.zeros_like(ddot))
@@ -360,8 +369,8 @@ class PolicyLoss:
             loss = aggregate(where(M, -w * A * stats["logp"], 0) * w_loss, mask, aggregation)
         """
         mode = self.mask_mode
-        for name, cls in (("sampling", Sampling), ("compute", Compute)):
-            if getattr(self, name) != cls():
+        for name, default in (("sampling", Sampling()), ("compute", Compute()), ("support", SUPPORTS[0])):
+            if getattr(self, name) != default:
                 raise ValueError(f"{name}: from_stats takes statistics already computed, so a non-default "
                                  f"{name} has nothing to apply to; compute the statistics with it instead")
         agg = self.aggregation if aggregation is None else _spec("aggregation", aggregation, Aggregation)
@@ -470,7 +479,7 @@ class PolicyLoss:
 
 def trust_region_mask(
     logits, rollout: Rollout, advantages, *, mode="pdm-topk-kl", estimator: str = "exact",
-    thresholds: Thresholds | None = None, sampling: Sampling | None = None, batch_ddot=None,
+    support: str = "topk+sampled", thresholds: Thresholds | None = None, sampling: Sampling | None = None, batch_ddot=None,
     compute: Compute | None = None, validate: bool = True,
 ) -> torch.Tensor:
     """The keep mask ``M`` (B, T) bool of a mode: False iff out of region and outward.
@@ -482,14 +491,14 @@ def trust_region_mask(
         st = token_stats(logits, rollout); D = st["topk_kl"]; Dd = st["ddot_topk_kl_exact"]
         M = ~((D > where(A > 0, delta_high, delta_low)) & (A * Dd > 0))
     """
-    cfg = PolicyLoss(mode=mode, estimator=estimator, thresholds=thresholds, sampling=sampling, compute=compute,
-                     validate=validate)
+    cfg = PolicyLoss(mode=mode, estimator=estimator, support=support, thresholds=thresholds, sampling=sampling,
+                     compute=compute, validate=validate)
     return cfg.mask(logits, rollout, advantages, batch_ddot=batch_ddot)
 
 
 def policy_loss(
     logits, rollout: Rollout, advantages, *, mode="pdm-topk-kl", estimator: str = "exact",
-    thresholds: Thresholds | None = None, corrections: Corrections | None = None,
+    support: str = "topk+sampled", thresholds: Thresholds | None = None, corrections: Corrections | None = None,
     sampling: Sampling | None = None, aggregation: Aggregation | None = None, batch_ddot=None,
     compute: Compute | None = None, validate: bool = True,
 ) -> PolicyLossOutput:
@@ -504,6 +513,10 @@ def policy_loss(
         mode: a name in :data:`pdmask.MODES` (``grpo``, ``none``, ``dppo-*``, ``pdm-*``).
         estimator: top-K tail estimator for ``Ddot``: ``exact`` (default), ``aggregated``
             (the paper), ``uniform``, ``truncated``.
+        support: the support of the top-K divergences (:data:`pdmask.SUPPORTS`):
+            ``"topk+sampled"`` (default) the rollout's top-K plus the sampled token;
+            ``"topk"`` the top-K alone, a sampled token outside it in the tail bucket, which
+            reproduces the DPPO reference code (Stable-RL's ``compute_topk_kl``); docs/core.md.
         thresholds: :class:`pdmask.Thresholds`: ``delta_low`` / ``delta_high`` for
             A < 0 / A > 0 (default: the mode's, 0.05 for KL, 0.15 for TV); ``eps_low`` /
             ``eps_high``, the ratio clip of ``grpo`` (clip-higher: eps_high = 0.28).
@@ -537,14 +550,15 @@ def policy_loss(
         st = token_stats(logits, rollout); M = trust_region_mask(logits, rollout, A)
         loss = (-(M * st["ratio"].clamp(max=5) * A * st["logp"]) * mask).sum() / mask.sum()
     """
-    cfg = PolicyLoss(mode=mode, estimator=estimator, thresholds=thresholds, corrections=corrections,
-                     sampling=sampling, aggregation=aggregation, compute=compute, validate=validate)
+    cfg = PolicyLoss(mode=mode, estimator=estimator, support=support, thresholds=thresholds,
+                     corrections=corrections, sampling=sampling, aggregation=aggregation, compute=compute,
+                     validate=validate)
     return cfg(logits, rollout, advantages, batch_ddot=batch_ddot)
 
 
 def policy_loss_from_hidden(
     hidden, lm_head_weight, rollout: Rollout, advantages, *, mode="pdm-topk-kl", estimator: str = "exact",
-    thresholds: Thresholds | None = None, corrections: Corrections | None = None,
+    support: str = "topk+sampled", thresholds: Thresholds | None = None, corrections: Corrections | None = None,
     sampling: Sampling | None = None, aggregation: Aggregation | None = None, batch_ddot=None,
     compute: Compute | None = None, validate: bool = True,
 ) -> PolicyLossOutput:
@@ -566,6 +580,7 @@ def policy_loss_from_hidden(
 
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, rollout, advantages, ...)``.
     """
-    cfg = PolicyLoss(mode=mode, estimator=estimator, thresholds=thresholds, corrections=corrections,
-                     sampling=sampling, aggregation=aggregation, compute=compute, validate=validate)
+    cfg = PolicyLoss(mode=mode, estimator=estimator, support=support, thresholds=thresholds,
+                     corrections=corrections, sampling=sampling, aggregation=aggregation, compute=compute,
+                     validate=validate)
     return cfg.from_hidden(hidden, lm_head_weight, rollout, advantages, batch_ddot=batch_ddot)

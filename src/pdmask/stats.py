@@ -23,8 +23,8 @@ import torch
 from . import directions as dirs
 from . import divergences as divs
 from . import ops
-from ._validate import Batch, Checks, prepare
-from .keys import ESTIMATORS, ddot_key
+from ._validate import Batch, Checks, check_choice, prepare
+from .keys import ESTIMATORS, SUPPORTS, ddot_key
 from .rollout import Rollout
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
@@ -68,7 +68,9 @@ def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int)
     if not valid.is_cuda and bool(valid.all()):
         return red  # CPU without padding: nothing to replace (the test is free on CPU)
     logv = math.log(V)
+    # (lse_tail, sum_p2_tail: finite stand-ins; padding rows are never read beyond this)
     fill = {"lse": 0.0, "logp": -logv, "sum_p2": 1.0 / V, "entropy": logv, "topk_logp": -logv,
+            "lse_tail": -logv, "sum_p2_tail": 0.0,
             "full_kl": 0.0, "full_tv": 0.0, "full_mu_k": 1.0 / V, "sum_p_mu": 1.0 / V, "sum_p_s": 0.0,
             "sum_p2_s": 0.0, "kept_mass": 1.0, "kept_size": V, "sampled_outside": 0, "kept_topk_mismatch": 0}
     out = {}
@@ -80,8 +82,12 @@ def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int)
 
 def stats_from_batch(
     batch: Batch, *, sampling: ops.Sampling, compute: ops.Compute, validate: bool = True,
+    support: str = "topk+sampled",
 ) -> dict[str, torch.Tensor]:
     """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient.
+
+    ``support`` (:data:`pdmask.keys.SUPPORTS`, checked by the caller): the support of the
+    top-K divergences, ``topK ∪ {k}`` or the top-K alone (:func:`pdmask.divergences.build_support`).
 
     ``compute`` (:class:`pdmask.ops.Compute`: ``impl``, ``chunk_rows``, ``chunk_cols``) is
     passed to :mod:`pdmask.ops`; ``"auto"`` never needs Triton on CPU. ``sampling`` gives
@@ -127,9 +133,12 @@ def stats_from_batch(
         **bin_,
     }
     if batch.topk_ids is not None:
+        # pi's tail comes from its own reduction (lse_tail), not from 1 - sum pi: that
+        # rounds to 0 in float32 once the tail holds less than ~6e-8 of the mass
         sup = divs.build_support(
             batch.sampled_ids, logp_d, rlp, batch.topk_ids, red["topk_logp"],
             batch.topk_logprobs.to(lse.dtype), sum_p2, batch.vocab_size,
+            log_pi_tail=red["lse_tail"] - lse, sum_p2_tail=red["sum_p2_tail"], support=support,
         )
         st.update({
             "topk_kl": divs.topk_kl(sup),
@@ -172,6 +181,7 @@ def token_stats(
     sampling: ops.Sampling | None = None,
     compute: ops.Compute | None = None,
     validate: bool = True,
+    support: str = "topk+sampled",
 ) -> dict[str, torch.Tensor]:
     """Every per-token statistic of the library, shaped like ``rollout.sampled_ids``.
 
@@ -188,6 +198,10 @@ def token_stats(
             ``sampled_outside`` (and ``kept_topk_mismatch`` with top-K).
         compute: :class:`pdmask.ops.Compute` (None: ``impl="auto"``, each
             implementation's default chunk).
+        support: the support of the top-K divergences (:data:`pdmask.keys.SUPPORTS`):
+            ``"topk+sampled"`` (default) ``S' = topK ∪ {k}``; ``"topk"`` the rollout's
+            top-K alone, a sampled token outside it counted in the tail bucket (the DPPO
+            reference code, Stable-RL's ``compute_topk_kl``). docs/core.md.
 
     Returns a dict (``log_ratio = log pi_k - log mu_k``, ``ratio = exp(log_ratio)``
     capped at ``exp(MAX_LOG_RATIO)``):
@@ -196,7 +210,7 @@ def token_stats(
       ``ddot_binary_kl``; with top-K: ``topk_kl``, ``topk_tv``,
       ``ddot_topk_{kl,tv}_{exact,aggregated,uniform,truncated}``,
       ``rollout_tail_mass`` (mu_T), ``policy_tail_mass`` (pi_T), ``tail_clamped``
-      (sum of mu on S' exceeded 1 by rounding), ``sampled_in_topk``; with
+      (sum of mu on the support exceeded 1 by rounding), ``sampled_in_topk``; with
       ``rollout.logits``: ``full_kl``, ``full_tv``, ``ddot_full_kl``, ``ddot_full_tv``;
       and ``valid`` (the response mask). ``Ddot`` is ``grad_{z/T} D . (e_k - pi)``.
 
@@ -210,7 +224,8 @@ def token_stats(
             raise ValueError(f"{name}: must be a pdmask.{cls.__name__} (or None), got {type(v).__name__}")
     if not isinstance(rollout, Rollout):
         raise ValueError(f"rollout: must be a pdmask.Rollout, got {type(rollout).__name__}")
+    check_choice("support", support, SUPPORTS)
     ops.check_truncation(compute.impl, sampling, rollout.kept_mask, rollout.logits, rollout=True)
     batch = prepare(logits, rollout, validate)
-    st = stats_from_batch(batch, sampling=sampling, compute=compute, validate=validate)
+    st = stats_from_batch(batch, sampling=sampling, compute=compute, validate=validate, support=support)
     return unflatten(st, batch.lead_shape)

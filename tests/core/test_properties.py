@@ -38,10 +38,11 @@ def cases(draw):
     agg = draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                 "seq-mean-token-sum-norm"]))
     est = draw(st.sampled_from(list(pdmask.ESTIMATORS)))
+    support = "topk+sampled" if "batch" in pdmask.get_mode(mode).needs else draw(st.sampled_from(pdmask.SUPPORTS))
     resp = torch.rand(B, T, generator=g) < 0.8
     return dict(logits=z.to(dtype), ids=k, lp=logmu.gather(-1, k[..., None]).squeeze(-1).float(),
                 tk=top.indices, tlp=top.values.float(), adv=torch.randn(B, generator=g) * 3, resp=resp,
-                mode=mode, agg=agg, est=est, T=draw(st.sampled_from([1.0, 0.6, 1.7])),
+                mode=mode, agg=agg, est=est, support=support, T=draw(st.sampled_from([1.0, 0.6, 1.7])),
                 bd=torch.randn(B, T, generator=g) if "batch" in pdmask.get_mode(mode).needs else None)
 
 
@@ -50,7 +51,8 @@ def cases(draw):
 def test_loss_and_gradient_are_always_finite(c):
     logits = c["logits"].clone().requires_grad_(True)
     out = flat.policy_loss(logits, c["ids"], c["lp"], c["tk"], c["tlp"], c["adv"], c["resp"],
-                             mode=c["mode"], loss_agg=c["agg"], estimator=c["est"], temperature=c["T"],
+                             mode=c["mode"], loss_agg=c["agg"], estimator=c["est"], support=c["support"],
+                             temperature=c["T"],
                              is_cap=math.inf if c["mode"] == "none" else 5.0, batch_ddot=c["bd"])
     out.loss.backward()
     assert torch.isfinite(out.loss)
@@ -81,8 +83,10 @@ def test_topk_divergence_bounds_and_k_equal_v(V, seed, data):
     lp = logmu.gather(-1, k[..., None]).squeeze(-1)
     for KK in (K, V):
         top = logmu.topk(KK, -1)
+        s_topk = flat.token_stats(z, k, lp, top.indices, top.values, rollout_logits=y, support="topk")
         s = flat.token_stats(z, k, lp, top.indices, top.values, rollout_logits=y)
-        for d in ("kl", "tv"):
+        for d in ("kl", "tv"):  # the top-K alone <= top-K and k <= full (each a coarsening of the next)
+            assert (s_topk[f"topk_{d}"] <= s[f"topk_{d}"] + 1e-10).all()
             assert (s[f"topk_{d}"] <= s[f"full_{d}"] + 1e-10).all()
     for d in ("kl", "tv"):
         for e in pdmask.ESTIMATORS:

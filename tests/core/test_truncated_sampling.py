@@ -158,3 +158,76 @@ def test_bad_truncation_arguments_name_the_argument():
     ]:
         with pytest.raises(ValueError, match=msg):
             flat.policy_loss(*base, mode="dppo-binary-kl", **kw)
+
+
+def _padded_case(junk, seed=8):
+    """(B, T) batch whose padding rows hold ``junk`` (NaN, +inf, -inf or a mix) in the logits,
+    and the same batch with finite padding, for gradients that must not tell them apart."""
+    B, T, V = 2, 4, 24
+    z = logits(N=B * T, V=V, seed=seed).view(B, T, V)
+    rep, _, _ = engine(z.view(-1, V), top_k=6)
+    mask = torch.tensor([[True, True, True, False], [True, False, True, False]])
+    zp = z.clone()
+    if junk == "mixed":
+        zp[~mask] = torch.tensor([math.nan, math.inf, -math.inf, 1.0] * (V // 4), dtype=F64)
+    else:
+        zp[~mask] = junk
+    args = dict(sampled_ids=rep["sampled_ids"].view(B, T), rollout_logprob=rep["rollout_logprob"].view(B, T),
+                rollout_topk_ids=rep["rollout_topk_ids"].view(B, T, K),
+                rollout_topk_logprobs=rep["rollout_topk_logprobs"].view(B, T, K),
+                advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask)
+    return z, zp, mask, args
+
+
+JUNK = [math.nan, math.inf, -math.inf, "mixed"]
+
+
+@pytest.mark.parametrize("trunc", [dict(sampling_top_p=0.9), dict(sampling_top_k=4)], ids=str)
+@pytest.mark.parametrize("junk", JUNK, ids=str)
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+def test_truncated_sampling_gives_nan_inf_padding_rows_zero_gradient(trunc, junk, impl):
+    """Issue 30: padding may hold anything; under truncation too its rows get exactly 0 and the
+    response rows the gradient of a batch with finite padding (before the fix: NaN everywhere)."""
+    z, zp, mask, args = _padded_case(junk)
+    grads = []
+    for x0 in (z, zp):
+        x = x0.clone().requires_grad_()
+        out = flat.policy_loss(x, **args, mode="pdm-topk-kl", impl=impl, **trunc)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        grads.append(x.grad)
+    assert torch.isfinite(grads[1]).all() and (grads[1][~mask] == 0).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("trunc", [dict(sampling_top_p=0.9), dict(sampling_top_k=4)], ids=str)
+@pytest.mark.parametrize("junk", JUNK, ids=str)
+def test_truncated_sampling_from_hidden_gives_nan_inf_padding_rows_zero_gradient(trunc, junk):
+    """The same from hidden states: a NaN/inf hidden row (padding) leaves the LM-head weight's
+    gradient and the other rows' gradients as with finite padding."""
+    B, T, H, V = 2, 4, 8, 24
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(B, T, H, generator=g, dtype=F64)
+    W = torch.randn(V, H, generator=g, dtype=F64)
+    rep, _, _ = engine((h @ W.T).view(-1, V), top_k=6)
+    mask = torch.tensor([[True, True, True, False], [True, False, True, False]])
+    hp = h.clone()
+    if junk == "mixed":
+        hp[~mask] = torch.tensor([math.nan, math.inf, -math.inf, 1.0] * (H // 4), dtype=F64)
+    else:
+        hp[~mask] = junk
+    args = dict(sampled_ids=rep["sampled_ids"].view(B, T), rollout_logprob=rep["rollout_logprob"].view(B, T),
+                rollout_topk_ids=rep["rollout_topk_ids"].view(B, T, K),
+                rollout_topk_logprobs=rep["rollout_topk_logprobs"].view(B, T, K),
+                advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask)
+    grads = []
+    for h0 in (h, hp):
+        hh, WW = h0.clone().requires_grad_(), W.clone().requires_grad_()
+        out = flat.policy_loss_from_hidden(hh, WW, **args, mode="pdm-topk-kl", chunk_rows=3, **trunc)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        grads.append((hh.grad, WW.grad))
+    (gh0, gW0), (gh1, gW1) = grads
+    assert torch.isfinite(gW1).all() and torch.isfinite(gh1).all() and (gh1[~mask] == 0).all()
+    torch.testing.assert_close(gW1, gW0, rtol=0, atol=0)
+    torch.testing.assert_close(gh1, gh0, rtol=0, atol=0)

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
+KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp", "lse_tail", "sum_p2_tail")
 
 
 def tol(dtype: torch.dtype, zmax: float = 10.0) -> dict:
@@ -67,6 +67,11 @@ def naive(logits, ids, topk_ids, temperature=1.0):
     }
     if topk_ids is not None:
         out["topk_logp"] = logq.gather(1, topk_ids)
+        # the tail of S' = topK ∪ {k}, from the full float64 softmax, term by term
+        tail = torch.ones_like(z, dtype=torch.bool)
+        tail.scatter_(1, topk_ids, False).scatter_(1, ids[:, None], False)
+        out["lse_tail"] = torch.logsumexp(z.masked_fill(~tail, float("-inf")), -1)
+        out["sum_p2_tail"] = torch.where(tail, p * p, torch.zeros_like(p)).sum(-1)
     return out
 
 
@@ -113,3 +118,58 @@ class AllocRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in ins:
                 self.sizes.append((func.__name__, t.numel()))
         return out
+
+
+#: Tail masses of the extreme-tail cases: from an ordinary 1e-3 down to just above float32's
+#: smallest normal (1.18e-38), where ``1 - sum_{S'} pi`` has long rounded to 0 in float32.
+PI_TAILS = (1e-3, 3e-6, 6e-8, 1e-10, 1e-15, 1e-20, 1e-26, 1e-30, 1e-34, 2e-38)
+
+
+def tail_case(pi_tails=PI_TAILS, V=300, K=12, *, seed=0, dtype=torch.float64):
+    """Rows whose mass outside ``S' = topK ∪ {k}`` is ``pi_tails[n]`` (of the float64 logits;
+    the dtype's rounding moves it a little): the support's logits are lifted by the offset
+    that leaves exactly that mass to the tail. ``k`` is in the top-K on every other row.
+    Returns ``(x, k, topk_ids)``."""
+    N = len(pi_tails)
+    g = torch.Generator().manual_seed(seed)
+    k, tk = make_ids(N, V, K, seed=seed + 1)
+    for n in range(0, N, 2):  # k inside the top-K on even rows
+        if not (tk[n] == k[n]).any():
+            tk[n, 0] = k[n]
+    z = torch.randn(N, V, generator=g, dtype=torch.float64)
+    sup = torch.zeros(N, V, dtype=torch.bool).scatter_(1, tk, True).scatter_(1, k[:, None], True)
+    p = torch.tensor(pi_tails, dtype=torch.float64)
+    lt = torch.logsumexp(z.masked_fill(sup, float("-inf")), -1)
+    ls = torch.logsumexp(z.masked_fill(~sup, float("-inf")), -1)
+    lift = lt - ls + torch.log1p(-p) - torch.log(p)
+    z = torch.where(sup, z + lift[:, None], z)
+    return z.to(dtype), k, tk
+
+
+def naive_tail(x, k, topk_ids, temperature=1.0, keep=None):
+    """float64 ``(log pi_T, sum_{tail} pi^2)`` of the input values, pi renormalised over
+    ``keep`` when given: every tail term exponentiated relative to its own row max."""
+    z = x.double() / temperature
+    if keep is not None:
+        z = z.masked_fill(~keep, float("-inf"))
+    tail = torch.ones_like(z, dtype=torch.bool).scatter_(1, topk_ids, False).scatter_(1, k[:, None], False)
+    zt = z.masked_fill(~tail, float("-inf"))
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    p2 = torch.where(tail & (zt > float("-inf")), (2 * logp).exp(), torch.zeros_like(z)).sum(-1)
+    return torch.logsumexp(zt, -1) - lse, p2
+
+
+def assert_tail_agrees(got, x, k, topk_ids, dtype, temperature=1.0, keep=None):
+    """``lse_tail - lse`` (log pi_T) and ``sum_p2_tail`` of an op against :func:`naive_tail`:
+    the log to a few ulps of the largest logit (the two log-sum-exps round on that scale),
+    the sum of squares relatively to a few ulps of it, absolutely to float32's smallest
+    normal (it underflows below that)."""
+    want_log, want_p2 = naive_tail(x, k, topk_ids, temperature, keep)
+    zmax = zmax_of(x, temperature)
+    log_pt = (got["lse_tail"].double() - got["lse"].double())
+    torch.testing.assert_close(log_pt, want_log, **tol(dtype, zmax), msg=lambda m: f"log pi_T: {m}")
+    ceps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    tiny = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
+    torch.testing.assert_close(got["sum_p2_tail"].double(), want_p2, rtol=16 * ceps * zmax, atol=tiny,
+                               msg=lambda m: f"sum_p2_tail: {m}")

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from _ops_cases import KEYS, assert_agree, grad_tol, make_ids, make_logits, naive, zmax_of
+from _ops_cases import (KEYS, assert_agree, assert_tail_agrees, grad_tol, make_ids, make_logits, naive, tail_case,
+                        zmax_of)
 
 import pdmask
 from pdmask import ops
@@ -83,6 +84,40 @@ def test_forward_matches_reference(dtype, kind):
     zm = zmax_of(x, T)
     assert_agree(got, reduce_rows(x, k, tk, temperature=T), dtype, zmax=zm)
     assert_agree(got, naive(x, k, tk, T), dtype, zmax=zm)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_extreme_tails(dtype):
+    """pi_T from 1e-3 down to float32's smallest normal: the kernel sums the tail of
+    S' = topK ∪ {k} on its own (the support ids walked along 10 blocks of 32), and rows
+    whose tail could have flushed walk the row again with the tail's own max."""
+    x, k, tk = tail_case(dtype=dtype, seed=13)
+    for T in (1.0, 0.8):
+        assert_tail_agrees(run(x, k, tk, temperature=T), x, k, tk, dtype, T)
+
+
+def test_the_tail_changes_no_other_statistic():
+    x, k, tk = tail_case(dtype=torch.float32, seed=14)
+    a, b = run(x, k, tk), run(x, k, None)
+    for key in ("lse", "logp", "sum_p2", "entropy"):
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_extreme_tails_through_token_stats():
+    """The issue-31 reproduction through the kernel: float32 within 1e-4 of float64."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 1, 1000, generator=g, dtype=torch.float64)
+    z[0, 0, 7] = 26.0
+    m = z.clone()
+    m[0, 0, 7] = 13.0
+    lmu = torch.log_softmax(m, -1)
+    top = lmu.topk(20, -1)
+    r = pdmask.Rollout(torch.tensor([[7]]), lmu[..., 7], top.indices, top.values)
+    want = pdmask.token_stats(z, r, compute=pdmask.Compute(impl="reference"))
+    rd = pdmask.Rollout(*(_dev(t) for t in (r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs)))
+    got = pdmask.token_stats(_dev(z.float()), rd, compute=pdmask.Compute(impl="triton"))
+    assert abs(got["topk_kl"].item() - want["topk_kl"].item()) < 1e-4
+    assert got["policy_tail_mass"].item() == pytest.approx(want["policy_tail_mass"].item(), rel=1e-4)
 
 
 @pytest.mark.parametrize("V,K,inside", [(1, 1, True), (3, 3, True), (40, 1, False), (40, 1, True), (33, 33, True)])

@@ -33,7 +33,7 @@ def hidden_row_stats(*args, **kw):
 
 RULES = [dict(sampling_top_k=5), dict(sampling_top_p=0.8), dict(sampling_min_p=0.1),
          dict(sampling_top_k=12, sampling_top_p=0.7, sampling_min_p=0.02), dict(sampling_top_p=0.95)]
-TRUNC = ("lse", "logp", "sum_p2", "entropy", "topk_logp", "kept_mass", "kept_size")
+TRUNC = ("lse", "logp", "sum_p2", "entropy", "topk_logp", "lse_tail", "sum_p2_tail", "kept_mass", "kept_size")
 
 
 def vllm_literal(y, top_k=None, top_p=None, min_p=None):

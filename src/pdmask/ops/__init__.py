@@ -3,9 +3,10 @@
 This package is the only code of the library that reads the (N, V) logits
 (:func:`hidden_row_stats` reads hidden states and the LM-head weight instead).
 :func:`row_stats` returns the dict of the reference :func:`._reference.reduce_rows`
-(``lse``, ``logp``, ``sum_p2``, ``entropy``, ``topk_logp``; with ``rollout_logits`` also
-the full-vocabulary :data:`FULL_KEYS`), with ``logp`` differentiable through an
-``autograd.Function`` whose backward is ``g (e_k - softmax(z / T)) / T``.
+(``lse``, ``logp``, ``sum_p2``, ``entropy``; with top-K ids ``topk_logp`` and the
+:data:`TAIL_KEYS` of the support's tail; with ``rollout_logits`` also the full-vocabulary
+:data:`FULL_KEYS`), with ``logp`` differentiable through an ``autograd.Function`` whose
+backward is ``g (e_k - softmax(z / T)) / T``.
 
 Implementations, chosen by ``impl``:
 
@@ -25,6 +26,9 @@ Naive torch equivalent::
     lse = torch.logsumexp(logits.float() / T, -1); logp = logq.gather(1, k[:, None])[:, 0]
     sum_p2 = logq.exp().pow(2).sum(-1); entropy = -(logq.exp() * logq).sum(-1)
     topk_logp = logq.gather(1, topk_ids)
+    tail = ones.scatter(1, cat([topk_ids, k[:, None]], 1), False)     # outside S' = topK ∪ {k}
+    lse_tail = torch.logsumexp((logits.float() / T).masked_fill(~tail, -inf), -1)
+    sum_p2_tail = (logq.exp().pow(2) * tail).sum(-1)
 """
 
 from __future__ import annotations
@@ -37,15 +41,15 @@ import torch
 
 from .._validate import check_choice, check_chunk_size, check_positive
 from . import _reference, _torch
-from ._autograd import KEYS, FusedRowStats
+from ._autograd import KEYS, FusedRowStats, as_dict
 from ._device import check_device
-from ._reference import FULL_KEYS, chunk_rows_for, compute_dtype
+from ._reference import FULL_KEYS, TAIL_KEYS, chunk_rows_for, compute_dtype
 from ._truncate import TRUNC_KEYS, Sampling
 
 IMPLS = ("auto", "torch", "triton", "reference")
 
-__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "TRUNC_KEYS", "Compute", "FusedRowStats", "Sampling", "check_impl",
-           "check_hidden", "check_kept_mask", "check_truncation", "chunk_rows_for", "sampling_kept_mask", "compute_dtype",
+__all__ = ["FULL_KEYS", "IMPLS", "KEYS", "TAIL_KEYS", "TRUNC_KEYS", "Compute", "FusedRowStats", "Sampling",
+           "check_impl", "check_hidden", "check_kept_mask", "check_truncation", "chunk_rows_for", "sampling_kept_mask", "compute_dtype",
            "hidden_row_stats", "resolve_impl", "row_stats", "triton_available"]
 
 
@@ -207,7 +211,11 @@ def row_stats(
 
     Returns ``lse`` (N,), ``logp`` (N,) = log pi_k (carries the gradient when ``logits``
     requires it), ``sum_p2`` (N,) = sum pi^2, ``entropy`` (N,) = -sum pi log pi, and with
-    ``topk_ids`` ``topk_logp`` (N, K) = log pi at topk_ids; float32 (float64 for float64
+    ``topk_ids`` ``topk_logp`` (N, K) = log pi at topk_ids and the tail of the support
+    ``S' = topK ∪ {k}``: ``lse_tail`` (N,), the log-sum-exp of ``logits / T`` over the ids
+    outside S' (``log pi_T = lse_tail - lse``, summed over the tail itself, so it stays
+    accurate in float32 however small pi_T is; ``-inf`` for an empty tail) and
+    ``sum_p2_tail`` (N,) = sum of pi^2 there; float32 (float64 for float64
     logits; ``"triton"`` always float32). With ``rollout_logits`` also (detached)
     ``full_kl``, ``full_tv``, ``full_mu_k`` = mu_k, ``sum_p_mu`` = sum pi mu,
     ``sum_p_s`` = sum pi s and ``sum_p2_s`` = sum pi^2 s with ``s = 1/2 sign(pi - mu)``.
@@ -238,10 +246,8 @@ def row_stats(
     if logits.requires_grad and torch.is_grad_enabled():
         full: dict[str, torch.Tensor] = {}
         res = FusedRowStats.apply(logits, ids, tk, float(temperature), chunk_rows, backend, fused_full, full)
-        out = dict(zip(KEYS, res))
+        out = as_dict(res, tk is not None)
         out.update(full)
-        if tk is None:
-            del out["topk_logp"]
     else:
         kw = {"chunk_rows": chunk_rows} if getattr(backend, "CHUNKED", False) else {}
         if fused_full is not None:
@@ -333,17 +339,11 @@ def hidden_row_stats(
 
             res = _hidden.HiddenTruncRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_rows,
                                                     sampling, kept_mask)
-            out = dict(zip(ALL_KEYS, res))
-            if tk is None:
-                del out["topk_logp"]
-            return out
+            return as_dict(res, tk is not None, ALL_KEYS)
         return _hidden.trunc_forward(hidden.detach(), weight.detach(), ids, tk, temperature=float(temperature),
                                      chunk_rows=chunk_rows, sampling=sampling, kept_mask=kept_mask)[0]
     if grad:
         res = _hidden.HiddenRowStats.apply(hidden, weight, ids, tk, float(temperature), chunk_cols)
-        out = dict(zip(KEYS, res))
-        if tk is None:
-            del out["topk_logp"]
-        return out
+        return as_dict(res, tk is not None)
     return _hidden.forward(hidden.detach(), weight.detach(), ids, tk, temperature=float(temperature),
                            chunk_cols=chunk_cols)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
+KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp", "lse_tail", "sum_p2_tail")
+#: the keys that come only with the rollout's top-K (absent without it)
+TOPK_KEYS = ("topk_logp", "lse_tail", "sum_p2_tail")
 
 
 class FusedRowStats(torch.autograd.Function):
-    """``(lse, logp, sum_p2, entropy, topk_logp) = f(logits)`` with ``logp`` differentiable.
+    """``(lse, logp, sum_p2, entropy, topk_logp, lse_tail, sum_p2_tail) = f(logits)`` with
+    ``logp`` differentiable.
 
     ``d logp / d logits = (e_k - softmax(logits / T)) / T`` per row; the other outputs
     are marked non-differentiable (the masks use them detached). The backward recomputes
@@ -35,7 +38,7 @@ class FusedRowStats(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_lse, g_logp, g_sp2, g_ent, g_tk):
+    def backward(ctx, g_lse, g_logp, *rest):
         logits, ids, lse = ctx.saved_tensors
         grad = ctx.backend.backward(logits, ids, lse, g_logp, temperature=ctx.temperature,
                                     **_kw(ctx.backend, ctx.chunk_rows))
@@ -43,16 +46,23 @@ class FusedRowStats(torch.autograd.Function):
 
 
 def outputs_tuple(ctx, out: dict) -> tuple:
-    """The op's dict as the Function's output tuple; only ``logp`` is differentiable.
+    """The op's dict as the Function's output tuple (:data:`KEYS`); only ``logp`` is
+    differentiable.
 
-    An absent ``topk_logp`` travels as an empty tensor (a Function cannot return None
-    next to tensors that need marking)."""
-    tk = out.get("topk_logp")
-    if tk is None:
-        tk = out["lse"].new_empty(0)
-    res = (out["lse"], out["logp"], out["sum_p2"], out["entropy"], tk)
-    ctx.mark_non_differentiable(res[0], *res[2:])
+    Absent top-K keys travel as empty tensors (a Function cannot return None next to
+    tensors that need marking); :func:`as_dict` drops them again."""
+    res = tuple(out.get(k, out["lse"].new_empty(0)) for k in KEYS)
+    ctx.mark_non_differentiable(*(t for k, t in zip(KEYS, res) if k != "logp"))
     return res
+
+
+def as_dict(res: tuple, has_topk: bool, keys=KEYS) -> dict:
+    """A Function's output tuple as the op's dict, without the top-K keys when there are none."""
+    out = dict(zip(keys, res))
+    if not has_topk:
+        for k in TOPK_KEYS:
+            del out[k]
+    return out
 
 
 def _kw(backend, chunk_rows) -> dict:

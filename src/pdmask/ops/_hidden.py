@@ -9,7 +9,11 @@ with an online log-sum-exp. With the running row max ``m`` and, per chunk,
 
 then ``lse = m + log s``, ``sum_p2 = q / s^2``, ``entropy = log s - w / s`` (as in the
 kernel of :mod:`pdmask.ops._kernel`). The sampled and top-K logits are picked out of the
-chunk that holds them, so they carry exactly the roundings of the chunk's logits.
+chunk that holds them, so they carry exactly the roundings of the chunk's logits. With the
+top-K the tail of ``S' = topK ∪ {k}`` is summed on its own in the same walk (after ``s``,
+``q``, ``w``, ``e`` zeroed at the chunk's support ids: ``t``, ``qt`` rescaled like ``s``,
+``q``), and rows whose tail could have underflowed are recomputed with its own max (as in
+:mod:`pdmask.ops._torch`).
 
 Backward of ``sum_n g_n log pi_{k_n}`` (``G = g (e_k - p) / T``, (N, V), never whole)::
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._autograd import outputs_tuple
-from ._reference import compute_dtype
+from ._reference import compute_dtype, support_ids, tail_rescue_below, tail_rows
 
 #: Elements of one (N, Vc) float32 chunk of logits.
 CHUNK_ELEMENTS = 1 << 22
@@ -58,6 +62,8 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     s, q, w = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(3))
     zk = torch.full((N, 1), float("nan"), dtype=cdt, device=h.device)
     zt = None if topk_ids is None else torch.full(topk_ids.shape, float("nan"), dtype=cdt, device=h.device)
+    sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
+    t, qt = (torch.zeros(N, dtype=cdt, device=h.device) for _ in range(2))  # the tail's s and q
     for a in range(0, V, step):
         b = min(a + step, V)
         z = _chunk_logits(h, W, a, b, c, cdt)
@@ -74,6 +80,13 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
         se = e.sum(-1)
         qe = torch.linalg.vecdot(e, e)
         we = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
+        if sup is not None:
+            # e is spent: this chunk's support entries zeroed (a product by 0 where inside,
+            # by 1 for ids clamped in from elsewhere: collisions cannot matter), the tail summed
+            inside = (sup >= a) & (sup < b)
+            e.scatter_reduce_(1, (sup - a).clamp_(0, b - a - 1), (~inside).to(cdt), "prod")
+            t = alpha * t + e.sum(-1)
+            qt = alpha * alpha * qt + torch.linalg.vecdot(e, e)
         w = alpha * (w + d * s) + we
         s = alpha * s + se
         q = alpha * alpha * q + qe
@@ -84,7 +97,27 @@ def forward(h, W, sampled_ids, topk_ids, *, temperature, chunk_cols):
     out = {"lse": lse, "logp": zk.squeeze(1) - lse, "sum_p2": q / (s * s), "entropy": log_s - w / s}
     if zt is not None:
         out["topk_logp"] = zt - lse[:, None]
+        out["lse_tail"] = m_fin + t.log()
+        out["sum_p2_tail"] = qt / (s * s)
+        _rescue_tails(h, W, sup, t, lse, out, c, cdt)
     return out
+
+
+def _rescue_tails(h, W, sup, t, lse, out, c, cdt) -> None:
+    """Rows whose tail could have underflowed: the logits again, a few rows at a time, and
+    :func:`._reference.tail_rows` (the tail's own max)."""
+    V = W.shape[0]
+    bad = t < tail_rescue_below(h.dtype, V)
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero().squeeze(1)
+    step = max(1, CHUNK_ELEMENTS // V)
+    for a in range(0, idx.numel(), step):
+        r = idx[a : a + step]
+        z = (h[r] @ W.T).to(cdt)
+        if c != 1.0:
+            z.mul_(c)
+        out["lse_tail"][r], out["sum_p2_tail"][r] = tail_rows(z, sup[r], lse[r])
 
 
 def backward(h, W, sampled_ids, lse, g, *, temperature, chunk_cols, need_h=True, need_W=True):
@@ -128,7 +161,7 @@ class HiddenRowStats(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_lse, g_logp, g_sp2, g_ent, g_tk):
+    def backward(ctx, g_lse, g_logp, *rest):
         h, W, ids, lse = ctx.saved_tensors
         dh, dW = backward(h, W, ids, lse, g_logp, temperature=ctx.temperature, chunk_cols=ctx.chunk_cols,
                           need_h=ctx.needs_input_grad[0], need_W=ctx.needs_input_grad[1])
@@ -175,6 +208,9 @@ def trunc_backward(h, W, sampled_ids, lse, g, tau, kept_mask, *, temperature, ch
     step = rows_per_chunk(N, V, chunk_rows)
     dh = torch.empty_like(h) if need_h else None
     dW = torch.zeros(W.shape, dtype=cdt, device=W.device) if need_W else None
+    # rows without upstream gradient (padding) get G = 0 from _truncate.backward; their hidden
+    # states may still be NaN/inf, and 0 * NaN in G^T h would spoil the whole weight gradient
+    h_live = torch.where((g != 0)[:, None], h, torch.zeros_like(h)) if need_W else None
     for a in range(0, N, step):
         b = min(a + step, N)
         z = (h[a:b] @ W.T).to(cdt)  # the forward's logits, the same call, upcast after
@@ -184,7 +220,7 @@ def trunc_backward(h, W, sampled_ids, lse, g, tau, kept_mask, *, temperature, ch
         if need_h:
             dh[a:b] = G.to(h.dtype) @ W
         if need_W:
-            dW.addmm_(G.T, h[a:b].to(cdt))
+            dW.addmm_(G.T, h_live[a:b].to(cdt))
     return dh, (dW.to(W.dtype) if need_W else None)
 
 

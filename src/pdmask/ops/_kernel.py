@@ -17,6 +17,14 @@ so that at the end ``lse = ln2 (m + log2 s)``, ``entropy = ln2 (log2 s - w / s)`
 ``sum_p2 = q / s^2`` and ``logp_j = ln2 (z_j - m) - ln s``: the same quantities as
 :func:`pdmask.ops._reference.reduce_rows`, which is the test oracle.
 
+With the top-K the row also keeps the tail of ``S' = topK ∪ {k}``: ``t``, ``qt`` like ``s``,
+``q`` over the ids outside S' only (``lse_tail = ln2 (m + log2 t)``, ``sum_p2_tail =
+qt / s^2``). The K+1 support ids come sorted, with a sentinel ``V``, and a pointer walks
+them along the blocks: a block that holds none (most of them) reuses its ``s``, ``q``
+increments; one that holds some zeroes those columns and sums again. A row whose ``t`` is
+so small that flushed terms could matter (``rescue``, :func:`._reference.tail_rescue_below`)
+walks the row a second time with the tail's own running max; other rows never do.
+
 Backward, one program per row: ``grad = g (e_k - p) / T`` written in the logits' dtype.
 
 Kernels are built on first use with ``triton.jit``; when ``TRITON_INTERPRET=1`` is set
@@ -32,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ._device import check_device, interpreting
+from ._reference import tail_rescue_below
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -48,17 +57,23 @@ NUM_WARPS = 8
 
 def _row_stats_fwd(
     X, stride_x, IDS, TOPK, stride_tk, LSE, LOGP, SUMP2, ENT, TOPK_LOGP, stride_tl,
-    V, K, scale,
+    SUP, stride_sup, LSE_TAIL, P2_TAIL,
+    V, K, scale, rescue,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_TOPK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x  # int64 offset: N * V exceeds 2^31 at T = 16k, V = 152k
+    sup_row = SUP + row * stride_sup
     offs = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
     m = tl.full((), neg_inf, tl.float32)
     s = tl.zeros((), tl.float32)
     q = tl.zeros((), tl.float32)
     w = tl.zeros((), tl.float32)
+    t = tl.zeros((), tl.float32)  # s over the tail (outside S') only
+    qt = tl.zeros((), tl.float32)  # q there
+    ptr = tl.zeros((), tl.int64)  # the next support id not yet passed (sorted, sentinel V)
+    nxt = tl.load(sup_row)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         z = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * scale
@@ -70,16 +85,59 @@ def _row_stats_fwd(
         y = z - m_sub
         e = tl.exp2(y)
         ey = tl.where(e > 0.0, e * y, 0.0)  # 0 * -inf would be NaN
+        se = tl.sum(e, 0)
+        qe = tl.sum(e * e, 0)
         w = a * (w + d * s) + tl.sum(ey, 0)
-        s = a * s + tl.sum(e, 0)
-        q = a * a * q + tl.sum(e * e, 0)
+        s = a * s + se
+        q = a * a * q + qe
         m = m_new
+        if HAS_TOPK:
+            st = se
+            qb = qe
+            if (nxt < start + BLOCK_V) & (nxt < V):  # support ids in this block: sum without them
+                et = e
+                while (nxt < start + BLOCK_V) & (nxt < V):
+                    et = tl.where(cols == nxt, 0.0, et)
+                    ptr += 1
+                    nxt = tl.load(sup_row + ptr)
+                st = tl.sum(et, 0)
+                qb = tl.sum(et * et, 0)
+            t = a * t + st
+            qt = a * a * qt + qb
     log2_s = tl.log2(s)
     m_fin = tl.where(m == neg_inf, 0.0, m)
     lse2 = m_fin + log2_s  # -inf when the whole row is -inf (s = 0)
     tl.store(LSE + row, lse2 * _LN2)
     tl.store(SUMP2 + row, q / (s * s))
     tl.store(ENT + row, (log2_s - w / s) * _LN2)
+    if HAS_TOPK:
+        lt2 = m_fin + tl.log2(t)
+        p2t = qt / (s * s)
+        if t < rescue:  # tail terms may have flushed to 0: again, with the tail's own max
+            mt = tl.full((), neg_inf, tl.float32)
+            tt = tl.zeros((), tl.float32)
+            qq = tl.zeros((), tl.float32)
+            ptr = tl.zeros((), tl.int64)
+            nxt = tl.load(sup_row)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offs
+                z = tl.load(x_row + cols, mask=cols < V, other=neg_inf).to(tl.float32) * scale
+                while (nxt < start + BLOCK_V) & (nxt < V):
+                    z = tl.where(cols == nxt, neg_inf, z)
+                    ptr += 1
+                    nxt = tl.load(sup_row + ptr)
+                mt_new = tl.maximum(mt, tl.max(z, 0))
+                mt_sub = tl.where(mt_new == neg_inf, 0.0, mt_new)
+                at = tl.where(mt == neg_inf, 0.0, tl.exp2(mt - mt_sub))
+                et = tl.exp2(z - mt_sub)
+                tt = at * tt + tl.sum(et, 0)
+                qq = at * at * qq + tl.sum(et * et, 0)
+                mt = mt_new
+            mt_fin = tl.where(mt == neg_inf, 0.0, mt)
+            lt2 = mt_fin + tl.log2(tt)
+            p2t = tl.where(tt > 0.0, qq * tl.exp2(2.0 * (mt_fin - lse2)), 0.0)
+        tl.store(LSE_TAIL + row, lt2 * _LN2)
+        tl.store(P2_TAIL + row, p2t)
     k = tl.load(IDS + row)
     ok = (k >= 0) & (k < V)  # out-of-range ids give NaN instead of reading out of bounds
     zk = tl.load(x_row + k, mask=ok, other=float("nan")).to(tl.float32) * scale
@@ -156,7 +214,8 @@ def forward(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Launch the forward kernel; returns float32 ``lse, logp, sum_p2, entropy[, topk_logp]``."""
+    """Launch the forward kernel; returns float32 ``lse, logp, sum_p2, entropy`` and with
+    ``topk_ids`` also ``topk_logp, lse_tail, sum_p2_tail``."""
     _check_device(logits)
     fwd, _ = _kernels()
     logits = _row_major(logits)
@@ -170,23 +229,24 @@ def forward(
         tk = _row_major(topk_ids)
         K = tk.shape[1]
         tlp = torch.empty(N, K, dtype=f32, device=dev)
-    else:  # placeholders, never read (HAS_TOPK is a compile-time False)
-        K, tk, tlp = 1, ids[:, None], lse[:, None]
+        lt, p2t = (torch.empty(N, dtype=f32, device=dev) for _ in range(2))
+        # S' = topK ∪ {k}, sorted, then the sentinel V that stops the kernel's walk
+        sup = torch.cat([tk, ids[:, None], torch.full_like(ids[:, None], V)], 1).sort(1).values.contiguous()
+    else:  # placeholders (HAS_TOPK is a compile-time False: only sup's first id is loaded, unused)
+        K, tk, tlp, lt, p2t, sup = 1, ids[:, None], lse[:, None], lse, lse, ids[:, None]
+    out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
+    if has_topk:
+        out.update(topk_logp=tlp, lse_tail=lt, sum_p2_tail=p2t)
     if N == 0:
-        out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
-        if has_topk:
-            out["topk_logp"] = tlp
         return out
     bv = block_v or min(FWD_BLOCK_V, triton.next_power_of_2(V))
     fwd[(N,)](
         logits, logits.stride(0), ids, tk, tk.stride(0), lse, logp, sp2, ent, tlp, tlp.stride(0),
-        V, K, LOG2E / temperature,
+        sup, sup.stride(0), lt, p2t,
+        V, K, LOG2E / temperature, tail_rescue_below(torch.float32, V),
         BLOCK_V=bv, BLOCK_K=triton.next_power_of_2(K), HAS_TOPK=has_topk,
         num_warps=num_warps or NUM_WARPS,
     )
-    out = {"lse": lse, "logp": logp, "sum_p2": sp2, "entropy": ent}
-    if has_topk:
-        out["topk_logp"] = tlp
     return out
 
 
@@ -240,7 +300,8 @@ def compile_check(arch: int = 90, dtypes=("bf16", "fp16", "fp32"), num_warps: in
         for has_topk in (True, False):
             sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "TOPK": "*i64", "stride_tk": "i32",
                    "LSE": "*fp32", "LOGP": "*fp32", "SUMP2": "*fp32", "ENT": "*fp32", "TOPK_LOGP": "*fp32",
-                   "stride_tl": "i32", "V": "i32", "K": "i32", "scale": "fp32",
+                   "stride_tl": "i32", "SUP": "*i64", "stride_sup": "i32", "LSE_TAIL": "*fp32",
+                   "P2_TAIL": "*fp32", "V": "i32", "K": "i32", "scale": "fp32", "rescue": "fp32",
                    "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "HAS_TOPK": "constexpr"}
             src = ASTSource(fwd, sig, constexprs={"BLOCK_V": FWD_BLOCK_V, "BLOCK_K": 32, "HAS_TOPK": has_topk})
             k = tcompile(src, target=target, options=opts)

@@ -27,6 +27,41 @@ CHUNK_ELEMENTS = 1 << 24
 #: Keys computed only when the rollout policy's full logits are given.
 FULL_KEYS = ("full_kl", "full_tv", "full_mu_k", "sum_p_mu", "sum_p_s", "sum_p2_s")
 
+#: Keys computed with the rollout's top-K: reductions over the complement of the support
+#: ``S' = topK ∪ {k}`` (:func:`tail_rows`).
+TAIL_KEYS = ("lse_tail", "sum_p2_tail")
+
+
+def support_ids(topk_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """(N, K+1) the ids of ``S' = topK ∪ {k}`` (k repeated when it is in the top-K)."""
+    return torch.cat([topk_ids, sampled_ids[:, None]], 1)
+
+
+def tail_rescue_below(dtype: torch.dtype, vocab_size: int) -> float:
+    """A fused path's tail sum ``t = sum_{tail} exp(z - m)`` (``m`` the row max) below this
+    value may have lost terms to underflow: each term under the smallest normal is flushed
+    or subnormal, together at most ``V * tiny``, which is one ulp of ``t`` only while
+    ``t >= V * tiny / eps``. Such rows are recomputed with :func:`tail_rows` (own max)."""
+    fi = torch.finfo(compute_dtype(dtype))
+    return vocab_size * fi.tiny / fi.eps
+
+
+def tail_rows(z: torch.Tensor, sup: torch.Tensor, lse: torch.Tensor,
+              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse_tail, sum_p2_tail)`` of rows of scaled logits ``z`` (r, V): the log-sum-exp of
+    ``z`` and ``sum pi^2`` (``pi = exp(z - lse)``) over the ids outside ``sup`` (r, J) (and
+    inside ``keep``, truncated sampling). The tail is summed on its own, with its own max,
+    never as ``1 - sum_{S'} pi``: that difference rounds to 0 in float32 once the tail
+    holds less than ~6e-8 of the mass. Plain torch; ``-inf`` for an empty tail.
+
+    Naive torch: ``zt = z.scatter(1, sup, -inf); torch.logsumexp(zt, -1)``."""
+    zt = z.masked_fill(~keep, float("-inf")) if keep is not None else z.clone()
+    zt.scatter_(1, sup, float("-inf"))
+    lse_t = torch.logsumexp(zt, -1)
+    inside = zt > float("-inf")
+    p2 = torch.where(inside, torch.exp(2 * (zt - lse[:, None])), torch.zeros_like(zt)).sum(-1)
+    return lse_t, p2
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else (bf16, fp16, fp32) is reduced in float32."""
@@ -79,12 +114,16 @@ def reduce_rows(
     Returns (all detached, in float32 or float64):
       ``lse`` (N,), ``logp`` (N,) = log pi_k, ``sum_p2`` (N,) = sum pi^2,
       ``entropy`` (N,) = -sum pi log pi, ``topk_logp`` (N, K) = log pi at topk_ids;
-    and with ``rollout_logits`` the :data:`FULL_KEYS` (see :func:`full_terms`).
+    with ``topk_ids`` the :data:`TAIL_KEYS` over the ids outside ``topK ∪ {k}``
+    (:func:`tail_rows`): ``lse_tail`` (so ``log pi_T = lse_tail - lse``) and
+    ``sum_p2_tail`` = sum of pi^2 there; and with ``rollout_logits`` the
+    :data:`FULL_KEYS` (see :func:`full_terms`).
     """
     N, V = logits.shape
     cdt = compute_dtype(logits.dtype)
     step = chunk_rows_for(V, chunk_rows)
     out: dict[str, list[torch.Tensor]] = {}
+    sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
 
     def put(name, val):
         out.setdefault(name, []).append(val)
@@ -93,6 +132,9 @@ def reduce_rows(
         e = min(s + step, N)
         z = logits[s:e].to(cdt) / temperature  # (c, V): the only float copy, chunk-sized
         lse = torch.logsumexp(z, -1)  # (c,)
+        if sup is not None:
+            for k, v in zip(TAIL_KEYS, tail_rows(z, sup[s:e], lse)):
+                put(k, v)
         logq = z.sub_(lse[:, None])  # in place: log pi
         p = logq.exp()
         put("lse", lse)
@@ -203,10 +245,16 @@ def truncated_row_stats(logits, sampled_ids, topk_ids, *, temperature: float, ke
         outside = ~keep.gather(1, sampled_ids[:, None]).squeeze(1)
         keep.scatter_(1, sampled_ids[:, None], True)
     ym = y.masked_fill(~keep, float("-inf"))
-    logq = torch.log_softmax(ym, -1)
-    out = {"logp": logq.gather(1, sampled_ids[:, None]).squeeze(1)}
     with torch.no_grad():
-        lq = logq.detach()
+        lq = torch.log_softmax(ym, -1)
+        # a row without a finite log-sum-exp over its kept set (NaN/inf logits: padding may
+        # hold anything) keeps its NaN values but takes no gradient: autograd through
+        # log_softmax would give it (and, through 0 * NaN, nothing else) NaN
+        bad = ~torch.isfinite(torch.logsumexp(ym, -1))
+    logq = torch.log_softmax(ym.masked_fill(bad[:, None], 0.0), -1)
+    k = sampled_ids[:, None]
+    out = {"logp": torch.where(bad, lq.gather(1, k).squeeze(1), logq.gather(1, k).squeeze(1))}
+    with torch.no_grad():
         p = lq.exp()
         out.update(
             lse=torch.logsumexp(ym.detach(), -1),
@@ -218,4 +266,7 @@ def truncated_row_stats(logits, sampled_ids, topk_ids, *, temperature: float, ke
         )
         if topk_ids is not None:
             out["topk_logp"] = lq.gather(1, topk_ids)
+            lse = out["lse"]
+            for k, v in zip(TAIL_KEYS, tail_rows(ym.detach(), support_ids(topk_ids, sampled_ids), lse)):
+                out[k] = v  # the kept set's tail: ym is -inf outside it
     return out

@@ -13,6 +13,19 @@ compute dtype and ``m`` the row max of z::
     entropy = log s - w / s                (= -sum p log p; both terms >= 0, no cancellation)
     logp    = z_k - m - log s              (z_k gathered from the input, so -inf stays -inf)
 
+With the rollout's top-K the chunk also gives the tail of the support ``S' = topK ∪ {k}``:
+two more sums over the chunk with the K+1 support entries of ``e`` (then ``e^2``) zeroed,
+``t = sum_{tail} e`` and ``qt = sum_{tail} e^2``, never ``s`` minus the support (that
+difference rounds away a tail below ~6e-8 of the mass in float32). ``s``, ``q`` and ``w``
+are summed exactly as without the top-K, so the other statistics keep their bits::
+
+    lse_tail    = m + log t            (log pi_T = lse_tail - lse)
+    sum_p2_tail = qt / s^2
+
+Rows whose ``t`` is so small that underflowed terms could matter
+(:func:`._reference.tail_rescue_below`) are recomputed with the tail's own max
+(:func:`._reference.tail_rows`); rows of ordinary policies never are.
+
 With the rollout policy's full logits (``rollout_logits``) the same chunk also gives the
 full-vocabulary terms (:func:`._reference.full_terms` on ``log pi = y - log s`` and
 ``pi = e / s``), so the logits are read once; that costs a few more chunk buffers.
@@ -25,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ._reference import FULL_KEYS, compute_dtype, full_terms
+from ._reference import FULL_KEYS, compute_dtype, full_terms, support_ids, tail_rescue_below, tail_rows
 
 #: Elements per chunk buffer (two buffers): 512 Ki elements = 2 MiB of float32 each,
 #: small enough to stay in the last-level cache while the chunk is reduced.
@@ -65,7 +78,8 @@ def forward(
 ) -> dict[str, torch.Tensor]:
     """Row statistics of ``softmax(logits / temperature)``; see the module docstring.
 
-    With ``rollout_logits`` the dict also holds the :data:`._reference.FULL_KEYS`."""
+    With ``topk_ids`` the dict also holds the :data:`._reference.TAIL_KEYS`, with
+    ``rollout_logits`` the :data:`._reference.FULL_KEYS`."""
     N, V = logits.shape
     cdt = compute_dtype(logits.dtype)
     dev = logits.device
@@ -80,6 +94,10 @@ def forward(
     ebuf = torch.empty(rows, V, dtype=cdt, device=dev)
     same = logits.dtype == cdt
     full = None if rollout_logits is None else {k: torch.empty(N, dtype=cdt, device=dev) for k in FULL_KEYS}
+    sup = None if topk_ids is None else support_ids(topk_ids, sampled_ids)
+    if sup is not None:
+        t = torch.empty(N, dtype=cdt, device=dev)  # sum of e over the tail (outside S')
+        qt = torch.empty(N, dtype=cdt, device=dev)  # sum of e^2 there
     for a in range(0, N, step):
         b = min(a + step, N)
         x, y, e, mc = logits[a:b], ybuf[: b - a], ebuf[: b - a], m[a:b]
@@ -106,10 +124,19 @@ def forward(
             terms = full_terms(y - sc.log(), e / sc, rollout_logits[a:b].to(cdt) / temperature, sampled_ids[a:b])
             for k, v in terms.items():
                 full[k][a:b] = v
+        if sup is not None:  # the tail's sum: the K+1 support entries zeroed, then put back
+            ids_s = sup[a:b]
+            es = e.gather(1, ids_s)
+            e.scatter_(1, ids_s, 0.0)
+            torch.sum(e, -1, out=t[a:b])
+            e.scatter_(1, ids_s, es)
         y.mul_(e)  # e y; NaN where x = -inf (0 * -inf), fixed below
         torch.sum(y, -1, out=w[a:b])
         e.mul_(e)
         torch.sum(e, -1, out=q[a:b])
+        if sup is not None:  # e holds e^2 now: the tail's with the support zeroed again
+            e.scatter_(1, ids_s, 0.0)
+            torch.sum(e, -1, out=qt[a:b])
     del ybuf, ebuf
     _fix_neg_inf(logits, m, s, w, c, step)
     log_s = s.log()
@@ -122,6 +149,9 @@ def forward(
     }
     if topk_ids is not None:
         out["topk_logp"] = _logp_at(logits, topk_ids, m, log_s[:, None], c)
+        out["lse_tail"] = m.squeeze(1) + t.log()
+        out["sum_p2_tail"] = qt / (s * s)
+        rescue_tails(logits, sup, t, lse, out["lse_tail"], out["sum_p2_tail"], c, step)
     if full is not None:
         out.update(full)
     return out
@@ -133,6 +163,22 @@ def _logp_at(logits, ids, m, log_s, c) -> torch.Tensor:
     if c != 1.0:
         xg.mul_(c)
     return xg.sub_(m).sub_(log_s)
+
+
+def rescue_tails(logits, sup, t, lse, lse_tail, sum_p2_tail, c, step) -> None:
+    """Recompute, in place, the tail of rows whose tail sum ``t`` (relative to the row max)
+    is below :func:`._reference.tail_rescue_below`, with the tail's own max
+    (:func:`._reference.tail_rows`). A row with NaN logits (NaN ``t``) is left alone."""
+    bad = t < tail_rescue_below(logits.dtype, logits.shape[1])
+    if not bool(bad.any()):
+        return
+    idx = bad.nonzero().squeeze(1)
+    for a in range(0, idx.numel(), step):
+        r = idx[a : a + step]
+        z = logits[r].to(lse.dtype)
+        if c != 1.0:
+            z.mul_(c)
+        lse_tail[r], sum_p2_tail[r] = tail_rows(z, sup[r], lse[r])
 
 
 def _fix_neg_inf(logits, m, s, w, c, step) -> None:

@@ -25,7 +25,9 @@ trainer's rule would have dropped is counted in ``sampled_outside``.
 Outputs beyond :data:`pdmask.ops.KEYS` (all statistics are those of ``pi'``; ``lse`` is
 ``lse_S``): ``kept_mass`` = ``pi(S)`` (the full-vocabulary mass kept: the on-policy mean
 of the uncorrected ratio), ``kept_size`` = ``|S|``, ``sampled_outside`` (bool).
-Top-K ids outside ``S`` get ``topk_logp = -inf``.
+Top-K ids outside ``S`` get ``topk_logp = -inf``; the tail keys (``lse_tail``,
+``sum_p2_tail``) are those of the kept tokens outside ``topK ∪ {k}``, summed on their own
+as in :mod:`pdmask.ops._torch`.
 
 Peak extra memory: a few (rows, V) chunk buffers (the top-p sort included), never (N, V).
 Naive equivalent: :func:`pdmask.ops._reference.truncated_row_stats` (the oracle).
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._reference import compute_dtype
+from ._autograd import KEYS, as_dict
+from ._reference import compute_dtype, support_ids, tail_rescue_below, tail_rows
 from ._torch import rows_per_chunk
 
 #: Extra outputs of a truncated reduction (see the module docstring).
@@ -121,6 +124,10 @@ def forward(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling=
     outside = torch.empty(N, dtype=torch.bool, device=dev)
     tau = torch.full((N,), -math.inf, dtype=cdt, device=dev)
     tk_out = None if topk_ids is None else torch.empty(topk_ids.shape, dtype=cdt, device=dev)
+    if topk_ids is not None:
+        sup = support_ids(topk_ids, sampled_ids)
+        tail = {k: torch.empty(N, dtype=cdt, device=dev) for k in ("lse_tail", "sum_p2_tail")}
+        rescue = tail_rescue_below(logits.dtype, V)
     for a in range(0, N, step):
         b = min(a + step, N)
         y = logits[a:b].to(cdt, copy=True).mul_(c)  # (rows, V) chunk copy; the exp is the other buffer
@@ -140,6 +147,10 @@ def forward(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling=
         s = e.sum(-1)
         q = torch.linalg.vecdot(e, e)
         w = torch.where(e > 0, e * y, torch.zeros_like(e)).sum(-1)
+        if topk_ids is not None:  # e is spent: the kept tail alone, the support zeroed
+            e.scatter_(1, sup[a:b], 0.0)
+            t = e.sum(-1)
+            qt = torch.linalg.vecdot(e, e)
         log_s = s.log()
         out["lse"][a:b] = m + log_s
         out["logp"][a:b] = y.gather(1, kk).squeeze(1) - log_s
@@ -151,9 +162,17 @@ def forward(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, sampling=
             tk = topk_ids[a:b]
             tk_out[a:b] = torch.where(ins.gather(1, tk), y.gather(1, tk) - log_s[:, None],
                                       torch.full_like(log_s[:, None], -math.inf))
+            tail["lse_tail"][a:b] = m + t.log()  # the kept tokens outside S' = topK ∪ {k}
+            tail["sum_p2_tail"][a:b] = qt / (s * s)
+            bad = t < rescue  # underflowed terms could matter: the tail's own max (tail_rows)
+            if bool(bad.any()):
+                lt, p2 = tail_rows(y[bad], sup[a:b][bad], log_s[bad], keep=ins[bad])
+                tail["lse_tail"][a:b][bad] = m[bad] + lt
+                tail["sum_p2_tail"][a:b][bad] = p2
     out["sampled_outside"] = outside
     if tk_out is not None:
         out["topk_logp"] = tk_out
+        out.update(tail)
     return out, tau
 
 
@@ -174,6 +193,9 @@ def backward(logits, sampled_ids, lse, grad_logp, tau, kept_mask, *, temperature
         ins.scatter_(1, kk, True)
         p = y.sub_(lse[a:b, None]).exp_().masked_fill_(~ins, 0.0)
         p.mul_(-gc[a:b, None]).scatter_add_(1, kk, gc[a:b, None])
+        # a row without upstream gradient (padding) is exactly 0, whatever its logits hold:
+        # NaN/inf logits make p NaN there, and 0 * NaN is NaN
+        p.masked_fill_(gc[a:b, None] == 0, 0.0)
         grad[a:b] = p.to(grad.dtype)
     return grad
 
@@ -198,7 +220,7 @@ class TruncatedRowStats(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-ALL_KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp") + TRUNC_KEYS
+ALL_KEYS = KEYS + TRUNC_KEYS
 
 
 def outputs_tuple(ctx, out: dict) -> tuple:
@@ -214,9 +236,6 @@ def row_stats(logits, sampled_ids, topk_ids, *, temperature, chunk_rows, samplin
     if logits.requires_grad and torch.is_grad_enabled():
         res = TruncatedRowStats.apply(logits, sampled_ids, topk_ids, float(temperature), chunk_rows, sampling,
                                       kept_mask)
-        out = dict(zip(ALL_KEYS, res))
-        if topk_ids is None:
-            del out["topk_logp"]
-        return out
+        return as_dict(res, topk_ids is not None, ALL_KEYS)
     return forward(logits.detach(), sampled_ids, topk_ids, temperature=float(temperature), chunk_rows=chunk_rows,
                    sampling=sampling, kept_mask=kept_mask)[0]

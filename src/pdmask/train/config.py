@@ -91,6 +91,9 @@ class TrainConfig:
     # ---------------------------------------------------------------- loss / mask
     mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, ...)")
     estimator: str = _f("exact", "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated")
+    support: str = _f("topk+sampled", "support of the top-K divergences: topk+sampled (the rollout's top-K plus the "
+                                      "sampled token) or topk (the top-K alone, the DPPO reference code); "
+                                      "not with the pdm-batch-* modes")
     delta_low: typing.Optional[float] = _f(None, "divergence threshold for A < 0 (null: the mode's default)")
     delta_high: typing.Optional[float] = _f(None, "divergence threshold for A > 0 (null: the mode's default)")
     eps_low: float = _f(0.2, "grpo ratio clip below 1")
@@ -146,6 +149,7 @@ class TrainConfig:
         from .. import MODES
         from ..batchmask import METHODS
         from ..directions import ESTIMATORS
+        from ..keys import SUPPORTS
         from .._validate import LOSS_AGGS
         from ..engine.precision import PRECISIONS
         from ..engine.registry import engine_names
@@ -153,7 +157,7 @@ class TrainConfig:
         from .tasks import TASKS
 
         choices = {"arch": ("llama", "qwen3"), "task": TASKS, "mode": tuple(MODES),
-                   "estimator": tuple(ESTIMATORS), "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
+                   "estimator": tuple(ESTIMATORS), "support": SUPPORTS, "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
                    "engine": tuple(engine_names()), "batch_method": METHODS}
         for k, valid in choices.items():
             if getattr(self, k) not in valid:
@@ -295,7 +299,7 @@ def loss_spec(cfg: TrainConfig, *, validate: bool = False):
     from ..loss import Aggregation, PolicyLoss
     from ..masks import Thresholds
 
-    return PolicyLoss(mode=cfg.mode, estimator=cfg.estimator,
+    return PolicyLoss(mode=cfg.mode, estimator=cfg.estimator, support=cfg.support,
                       thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high),
                       corrections=corrections(cfg), sampling=sampling(cfg),
                       aggregation=Aggregation(cfg.loss_agg), validate=validate)
