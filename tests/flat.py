@@ -16,7 +16,7 @@ from pdmask.corrections import FIELDS as CORRECTION_FIELDS
 
 #: flat keyword -> (spec argument, the spec's field)
 SPEC_OF = {
-    **{k: ("thresholds", k) for k in ("delta_low", "delta_high", "eps_low", "eps_high")},
+    **{k: ("thresholds", k) for k in ("delta_low", "delta_high", "eps_low", "eps_high", "dual_clip")},
     **{k: ("corrections", k) for k in CORRECTION_FIELDS},
     "temperature": ("sampling", "temperature"),
     "sampling_top_k": ("sampling", "top_k"), "sampling_top_p": ("sampling", "top_p"),

@@ -18,7 +18,7 @@ PKG = "pdmask"
 #: Top-level modules of the core (with the ``ops`` package and the package root, which
 #: re-exports the public API).
 CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "directions", "masks", "stats", "corrections",
-                "aggregation", "loss"}
+                "aggregation", "surrogates", "loss"}
 #: Modules of the significance layer besides ``significance`` itself.
 SIGNIFICANCE_MODULES = {"power"}
 #: layer -> the layers it may import (itself included). docs/ARCHITECTURE.md.

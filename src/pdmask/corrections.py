@@ -59,6 +59,8 @@ RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_su
          "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 #: |log r| bound of the rules' statistics (verl's SAFETY_BOUND).
 RULE_LOG_BOUND = 20.0
+#: The IS cap C when none is given (``Corrections(is_cap=None)``).
+DEFAULT_IS_CAP = 5.0
 
 
 # ------------------------------------------------------------------ arguments
@@ -77,8 +79,10 @@ class Corrections:
 
     Attributes (verl / TRL meanings in the module docstring):
         is_level: ``"token"`` (default), ``"sequence"`` or None (no IS weight).
-        is_cap: upper bound C of every IS weight (``inf``: only ``MAX_LOG_RATIO``); in
-            ``grpo`` the dual-clip constant.
+        is_cap: upper bound C of every IS weight (``inf``: only ``MAX_LOG_RATIO``); None:
+            :data:`DEFAULT_IS_CAP` (5), and the spec knows it was not given
+            (:attr:`is_cap_given`: a given cap that would do nothing is refused). In ``grpo``
+            also the dual-clip constant unless ``Thresholds.dual_clip`` is given.
         is_floor: lower bound of the weight (None: none); truncates, or masks with ``is_mask``.
         is_mask: mask outside ``[is_floor, is_cap]`` instead of truncating (MIS, IcePop).
         is_batch_normalize: divide the weights by their batch mean (verl).
@@ -91,7 +95,7 @@ class Corrections:
     """
 
     is_level: str | None = "token"
-    is_cap: float = 5.0
+    is_cap: float | None = None
     is_floor: float | None = None
     is_mask: bool = False
     is_batch_normalize: bool = False
@@ -99,8 +103,13 @@ class Corrections:
     rejection_threshold: object = None
     off_policy_mask_threshold: float | None = None
     rules: tuple = field(init=False, default=(), compare=False)
+    #: the caller gave ``is_cap`` (not the None default): a cap that would do nothing is then refused
+    is_cap_given: bool = field(init=False, default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "is_cap_given", self.is_cap is not None)
+        if self.is_cap is None:
+            object.__setattr__(self, "is_cap", DEFAULT_IS_CAP)
         is_level, is_cap, is_floor = self.is_level, self.is_cap, self.is_floor
         if is_level not in IS_LEVELS:
             raise ValueError(f"is_level: unknown value {is_level!r}; valid values are: None, token, sequence")
@@ -133,21 +142,35 @@ class Corrections:
         kw.update(overrides)
         return cls(**kw)
 
-    def check_surrogate(self, surrogate: str) -> None:
-        """With the ``ppo-clip`` surrogate (``grpo``) the PPO ratio ``pi/mu`` already carries
-        the token IS weight, so only masks apply there: a weight that would count it twice
-        (``is_level="sequence"``, ``is_floor`` without ``is_mask``, ``is_batch_normalize``)
-        is refused."""
-        if surrogate != "ppo-clip":
+    def check_surrogate(self, surrogate: str, *, dual_clip: float | None = None) -> None:
+        """What the mode's surrogate cannot honour, refused with one line naming the field.
+
+        Every surrogate but ``dppo`` (``ppo-clip`` of ``grpo``; ``drpo``, ``spo``, ``smooth``)
+        differentiates its ratio ``pi/mu``, which already is the token IS weight, so only
+        masks apply there: a weight that would count it twice (``is_level="sequence"``,
+        ``is_floor`` without ``is_mask``, ``is_batch_normalize``) is refused. A *given*
+        ``is_cap`` (:attr:`is_cap_given`) that bounds nothing is refused too: with ``dppo``
+        and ``is_level=None`` (no weight); with the ratio surrogates and no ``is_mask``,
+        except in ``grpo`` without ``dual_clip``, where ``is_cap`` is the dual-clip constant.
+        """
+        if surrogate == "dppo":
+            if self.is_level is None and self.is_cap_given:
+                raise ValueError("is_cap: bounds the IS weight, and is_level=None applies none (w = 1), so it would "
+                                 "be ignored; set is_level='token' or 'sequence', or remove is_cap")
             return
+        who = "grpo (ppo-clip)" if surrogate == "ppo-clip" else f"the {surrogate} surrogate"
         if self.is_level == "sequence" and not self.is_mask:
-            raise ValueError("is_level: 'sequence' weights are refused with grpo (ppo-clip): its ratio pi/mu already "
+            raise ValueError(f"is_level: 'sequence' weights are refused with {who}: its ratio pi/mu already "
                              "is the token IS weight; use is_mask=True for a sequence mask")
         if self.is_floor is not None and not self.is_mask:
-            raise ValueError("is_floor: truncating from below is refused with grpo (ppo-clip): its ratio pi/mu is "
-                             "clipped by eps_low; use is_mask=True to mask below is_floor")
+            raise ValueError(f"is_floor: truncating from below is refused with {who}: its ratio pi/mu is its "
+                             "own weight; use is_mask=True to mask below is_floor")
         if self.is_batch_normalize:
-            raise ValueError("is_batch_normalize: refused with grpo (ppo-clip), which applies no separate IS weight")
+            raise ValueError(f"is_batch_normalize: refused with {who}, which applies no separate IS weight")
+        if self.is_cap_given and not self.is_mask and (surrogate != "ppo-clip" or dual_clip is not None):
+            what = "dual_clip is the dual-clip constant" if surrogate == "ppo-clip" else "its ratio is the weight"
+            raise ValueError(f"is_cap: bounds nothing with {who} without is_mask ({what}), so it would be "
+                             "ignored; set is_mask=True for an IS mask [is_floor, is_cap], or remove is_cap")
 
     @property
     def default_weight(self) -> bool:

@@ -1,4 +1,4 @@
-"""Policy loss: per-token surrogate, masking and aggregation, composable.
+"""Policy loss: statistics, masking, corrections, per-token surrogate and aggregation, composable.
 
 DPPO-style surrogate for the divergence modes (METHOD.md section 2)::
 
@@ -9,15 +9,17 @@ The ``grpo`` mode uses the PPO clipped surrogate on the same ratio
 ``r = pi_k / mu_k`` (anchored to the rollout policy, not a recomputed old policy)::
 
     loss_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
-    loss_t = min(loss_t, -A C)   if A < 0   (dual clip, verl's clip_ratio_c = is_cap)
+    loss_t = min(loss_t, -A C)   if A < 0   (dual clip, verl's clip_ratio_c = Thresholds.dual_clip)
 
-whose gradient is ``-A r (e_k - pi) / T`` on kept tokens and 0 on clipped ones. Every
-exponentiated log-ratio is capped at ``exp(MAX_LOG_RATIO)`` (:data:`pdmask.stats.MAX_LOG_RATIO`).
+whose gradient is ``-A r (e_k - pi) / T`` on kept tokens and 0 on clipped ones; DRPO, SPO
+and the smooth predictive weight have no mask, a weight on that gradient instead. The
+per-token surrogates are :mod:`pdmask.surrogates` (``token_loss`` is re-exported here).
+Every exponentiated log-ratio is capped at ``exp(MAX_LOG_RATIO)``
+(:data:`pdmask.stats.MAX_LOG_RATIO`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,55 +27,16 @@ import torch
 from . import ops
 from ._validate import Checks, check_choice, check_device, prepare, prepare_rows
 from .aggregation import Aggregation, aggregate  # noqa: F401  (Aggregation re-exported: pdmask.loss.Aggregation)
-from .corrections import Corrections, apply_corrections, is_weight
-from .divergences import floor_neginf, masked_mean
+from .corrections import Corrections, apply_corrections, is_weight  # noqa: F401  (is_weight: pdmask.loss.is_weight)
+from .divergences import masked_mean
 from .keys import BATCH_DDOT, ESTIMATORS, SUPPORTS
-from .masks import MODES, SURROGATES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats
+from .masks import (
+    MODES, MaskMode, MaskResult, Thresholds, check_inputs_for, get_mode, mask_from_stats,
+)
 from .ops import Compute, Sampling
 from .rollout import Rollout
-from .stats import MAX_LOG_RATIO, stats_from_batch, unflatten
-
-
-# ------------------------------------------------------------------ per token
-def token_loss(
-    logp: torch.Tensor,  # (N,) differentiable log pi_k
-    log_ratio: torch.Tensor,  # (N,) detached log pi_k - log mu_k
-    advantages: torch.Tensor,  # (N,)
-    keep: torch.Tensor,  # (N,) bool
-    *,
-    surrogate: str = "dppo",
-    is_cap: float = 5.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token surrogate and the effective keep mask (the dual clip masks more).
-
-    ``weight`` (N,) replaces the DPPO IS weight ``min(r, is_cap)`` (an off-policy
-    correction's weight, :mod:`pdmask.corrections`); the ``ppo-clip`` surrogate takes none.
-    Returns ``(loss_t, keep_eff)``; masked tokens contribute exactly 0 with gradient 0.
-    """
-    adv = advantages.to(logp.dtype)
-    # A sampled token the trainer gives probability exactly 0 (a -inf logit): its value is
-    # floored so that 0 * inf cannot appear; its gradient is 0 (the logit cannot move).
-    logp = floor_neginf(logp)
-    log_ratio = floor_neginf(log_ratio)
-    if surrogate == "dppo":
-        w = is_weight(log_ratio, is_cap) if weight is None else weight.detach().to(logp.dtype)
-        per = -w * adv * logp
-        return torch.where(keep, per, torch.zeros_like(per)), keep
-    if surrogate == "ppo-clip":
-        if weight is not None:
-            raise ValueError("weight: the ppo-clip surrogate takes no separate IS weight (its ratio is the weight)")
-        # r with value exp(log_ratio) and gradient r * grad(log pi_k)
-        r = (logp - logp.detach() + log_ratio.detach()).clamp(max=MAX_LOG_RATIO).exp()
-        per = torch.maximum(-adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high))
-        dual = (adv < 0) & (r.detach() > is_cap)  # never true when is_cap is inf
-        if math.isfinite(is_cap):
-            per = torch.where(dual, -adv * is_cap, per)
-        # Clipped tokens keep their (constant) PPO value; their gradient is 0.
-        return per, keep & ~dual
-    raise ValueError(f"surrogate: unknown value {surrogate!r}; valid values are: {', '.join(SURROGATES)}")
+from .stats import stats_from_batch, unflatten
+from .surrogates import advantage_limit, check_advantage_scale, token_loss  # noqa: F401  (re-exported)
 
 
 # ------------------------------------------------------------------ metrics
@@ -118,6 +81,19 @@ def mask_metrics(res: MaskResult, keep_eff: torch.Tensor, stats, adv: torch.Tens
         if "kept_topk_mismatch" in stats:
             m["kept_set_topk_mismatch_frac"] = masked_mean(stats["kept_topk_mismatch"], v)
     return {k: t.detach() for k, t in m.items()}
+
+
+def smooth_metrics(w: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The smooth surrogates' weight over the response tokens: ``smooth_weight_mean``,
+    ``smooth_weight_min``, ``corrective_frac`` (share with ``w < 0``: pushed back towards mu)."""
+    n = valid.sum().clamp(min=1).to(w.dtype)
+    big = torch.finfo(w.dtype).max
+    w_min = torch.where(valid, w, torch.full_like(w, big)).min() if w.numel() else w.new_zeros(())
+    return {k: v.detach() for k, v in {
+        "smooth_weight_mean": masked_mean(w, valid),
+        "smooth_weight_min": torch.where(valid.any(), w_min, torch.zeros_like(w_min)),
+        "corrective_frac": ((w < 0) & valid).sum().to(w.dtype) / n,
+    }.items()}
 
 
 # ------------------------------------------------------------------ public
@@ -184,32 +160,6 @@ def _spec(name: str, value, cls):
     return value
 
 
-def advantage_limit(surrogate: str, is_cap: float, dtype: torch.dtype) -> float:
-    """The largest ``sum |A|`` over the response tokens for which the loss cannot overflow
-    ``dtype`` (the loss's dtype: float32 for half-precision logits).
-
-    A token's loss is ``|A|`` times at most ``W`` (the IS weight's cap ``is_cap``, or
-    ``exp(MAX_LOG_RATIO)`` without a cap and for the PPO ratio of ``ppo-clip``) times, in
-    the DPPO surrogate, ``|log pi_k| <= |log tiny|`` (the floor of a probability the dtype
-    represents); the aggregate is at most their sum. :func:`policy_loss` refuses larger
-    advantages rather than return an inf/NaN loss."""
-    fi = torch.finfo(dtype)
-    cap = is_cap if math.isfinite(is_cap) else math.exp(MAX_LOG_RATIO)
-    w, lp = (math.exp(MAX_LOG_RATIO), 1.0) if surrogate == "ppo-clip" else (cap, -math.log(fi.tiny))
-    return fi.max / (w * lp)
-
-
-def _check_advantage_scale(checks: Checks, adv, valid, dtype: torch.dtype, surrogate: str, is_cap: float) -> None:
-    """``sum |A|`` within :func:`advantage_limit` of the loss's dtype (``dtype`` promoted to float32)."""
-    dtype = torch.promote_types(dtype, torch.float32)
-    limit = advantage_limit(surrogate, is_cap, dtype)
-    total = torch.where(valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
-                                                                               device=adv.device)).sum()
-    checks.add("advantages", f"sum of |A| over the response tokens exceeds {limit:.3g}, beyond which the "
-               f"{str(dtype).removeprefix('torch.')} loss ({surrogate} surrogate, is_cap={is_cap:g}) could "
-               "overflow to inf/NaN; scale the advantages down (normalise them)", total > limit)
-
-
 def _refuse_full_modes(mode: MaskMode) -> None:
     """The ``*-full-*`` modes need the rollout's full logits, which the hidden path does not take."""
     if "full" in mode.needs:
@@ -270,8 +220,14 @@ class PolicyLoss:
             raise ValueError(f"validate: expected True or False, got {self.validate!r}")
         object.__setattr__(self, "mask_mode", mode)
         object.__setattr__(self, "thresholds", self.thresholds.resolve(mode))
-        self.corrections.check_surrogate(mode.surrogate)
+        self.corrections.check_surrogate(mode.surrogate, dual_clip=self.thresholds.dual_clip)
         ops.check_truncation(self.compute.impl, self.sampling, None, None)
+
+    def _check_scale(self, checks: Checks, adv, valid, dtype: torch.dtype) -> None:
+        """The advantages' bound of this loss's surrogate (:func:`pdmask.surrogates.advantage_limit`)."""
+        th = self.thresholds
+        check_advantage_scale(checks, adv, valid, dtype, self.mask_mode.surrogate, self.corrections.is_cap,
+                              delta=min(th.delta_low, th.delta_high))
 
     def _masked(self, logits, rollout, advantages, batch_ddot, aggregation=None, hidden=None,
                 lm_head_weight=None, loss: bool = True) -> MaskedBatch:
@@ -300,7 +256,7 @@ class PolicyLoss:
             checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & batch.valid).any())
             if loss:  # a loss follows (the mask alone reads only the sign of A)
                 x = batch.logits if batch.hidden is None else batch.hidden
-                _check_advantage_scale(checks, adv, batch.valid, x.dtype, mode.surrogate, self.corrections.is_cap)
+                self._check_scale(checks, adv, batch.valid, x.dtype)
             if aggregation is not None:
                 aggregation.check_values(checks)
             checks.run()
@@ -423,7 +379,7 @@ class PolicyLoss:
                 mv = response_mask.reshape(-1)
                 checks.add("response_mask", "must hold only 0/1 (or bool) values", ((mv != 0) & (mv != 1)).any())
             checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & valid).any())
-            _check_advantage_scale(checks, adv, valid, logp.dtype, mode.surrogate, self.corrections.is_cap)
+            self._check_scale(checks, adv, valid, logp.dtype)
             for name, w in weights.items():
                 checks.add(name, "must be finite and >= 0 on response tokens",
                            (~(torch.isfinite(w) & (w >= 0)) & valid).any())
@@ -455,9 +411,13 @@ class PolicyLoss:
         if is_weights is not None:  # replaces the default weight min(r, C) (checked in from_stats)
             weight = torch.where(valid, is_weights, torch.zeros_like(is_weights))
             keep = keep & (weight > 0)  # a weight of 0 (verl's MIS) masks the token
+        if mb.mode.surrogate == "smooth":  # its weight (a correction has none here: check_surrogate)
+            weight = res.weight
         per, keep_eff = token_loss(stats["logp"], stats["log_ratio"], adv, keep,
                                    surrogate=mb.mode.surrogate, is_cap=spec.is_cap, eps_low=th.eps_low,
-                                   eps_high=th.eps_high, weight=weight)
+                                   eps_high=th.eps_high, weight=weight, dual_clip=th.dual_clip,
+                                   delta_low=th.delta_low, delta_high=th.delta_high,
+                                   rollout_logp=stats.get("sampled_logprob"))
         # A correction removes the token from the loss in every surrogate (ppo-clip keeps the
         # constant value of a clipped token, but a rejected one contributes nothing).
         per = torch.where(ck, per, torch.zeros_like(per))
@@ -468,6 +428,8 @@ class PolicyLoss:
         loss = aggregate(per2, valid2, agg, validate=False)
         metrics = mask_metrics(res, keep_eff, stats, adv, valid)
         metrics.update(corr.metrics)
+        if res.weight is not None:
+            metrics.update(smooth_metrics(res.weight, valid))
         if is_weights is not None:
             metrics["is_weight_mean"] = masked_mean(weight, valid).detach()
             metrics["masked_frac_is"] = ((weight <= 0) & valid).sum().to(weight.dtype).div(
@@ -523,7 +485,8 @@ def policy_loss(
         corrections: :class:`pdmask.Corrections`, the off-policy corrections, a stage
             after the mode's token mask (:mod:`pdmask.corrections`, docs/corrections.md):
             the IS weight (``is_level``, ``[is_floor, is_cap]`` truncated or, with
-            ``is_mask``, masked; ``is_cap`` is also ``grpo``'s dual-clip constant),
+            ``is_mask``, masked; ``is_cap`` is also ``grpo``'s dual-clip constant unless
+            ``thresholds.dual_clip`` is given),
             verl's rejection rules, DeepSeek-V3.2's off-policy sequence mask.
         sampling: :class:`pdmask.Sampling`, the engine's ``temperature``
             (``pi = softmax(logits / temperature)``) and truncation (``top_k``, ``top_p``,

@@ -13,6 +13,12 @@ A token is masked (``M = 0``) iff it is **out of the region** and its update is
   ``A * direction > 0``. ``ratio_sign()`` is ``log r`` (PPO, DPPO); ``predictive(div)``
   is ``Ddot`` of that divergence (this project); ``None`` never masks.
 
+The smooth surrogates (:data:`SMOOTH_SURROGATES`: DRPO, SPO and the smooth predictive
+weight) mask nothing: their trust region is a weight on the gradient,
+``w = 1 - sign(A * direction) * D / delta`` (:func:`smooth_weight`), negative exactly on
+the tokens the hard mask of the same region and direction would zero. Their region and
+direction are still reported (``out_of_region_frac``, ``disagreement_frac``).
+
 Adding a mode is one :func:`register_mode` call.
 """
 
@@ -31,43 +37,61 @@ Stats = Mapping[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Trust-region thresholds: ``delta_*`` for divergence regions (A < 0 / A > 0), ``eps_*``
-    for the ratio region of ``grpo`` (``r`` outside ``[1 - eps_low, 1 + eps_high]``;
-    clip-higher: ``eps_high = 0.28``).
+    """Trust-region thresholds: ``delta_*`` for divergence regions (A < 0 / A > 0) and the
+    scale of the smooth surrogates' weight, ``eps_*`` for the ratio region of ``grpo``
+    (``r`` outside ``[1 - eps_low, 1 + eps_high]``; clip-higher: ``eps_high = 0.28``),
+    ``dual_clip`` grpo's dual-clip constant C (verl's ``clip_ratio_c``: the loss of an
+    A < 0 token is at most ``-A C``).
 
     ``delta_low`` / ``delta_high`` None mean the mode's ``default_delta`` (0.05 for KL,
-    0.15 for TV), filled in by :meth:`resolve`. Checked here, once: deltas positive (inf
-    allowed: never out of region), ``eps_*`` positive finite, ``eps_low < 1``.
+    0.15 for TV), filled in by :meth:`resolve`. ``dual_clip`` None means
+    ``Corrections.is_cap`` (5 by default: the dual clip and the IS cap were one setting
+    before ``dual_clip`` existed, and stay one unless it is given). Checked here, once:
+    deltas positive (inf allowed: never out of region), ``eps_*`` positive finite,
+    ``eps_low < 1``, ``dual_clip > 1`` (inf: no dual clip); :meth:`resolve` refuses a
+    ``dual_clip`` for a mode without the ``ppo-clip`` surrogate.
     """
 
     delta_low: float | None = None
     delta_high: float | None = None
     eps_low: float = 0.2
     eps_high: float = 0.2
+    dual_clip: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("delta_low", "delta_high", "eps_low", "eps_high"):
+        for name in ("delta_low", "delta_high", "eps_low", "eps_high", "dual_clip"):
             v = getattr(self, name)
             if v is None and name.startswith("eps"):
                 raise ValueError(f"{name}: must be a positive number, got None")
-            check_positive(name, v, allow_inf=name.startswith("delta"))
+            check_positive(name, v, allow_inf=not name.startswith("eps"))
         if self.eps_low >= 1:
             # the clip range [1 - eps_low, 1 + eps_high] would reach r <= 0: no lower clip at all
             raise ValueError(f"eps_low: must be < 1 (the ratio clip's lower end is 1 - eps_low > 0), "
                              f"got {self.eps_low!r}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            # verl asserts clip_ratio_c > 1: a cap at or below 1 would clip on-policy tokens
+            raise ValueError(f"dual_clip: must be > 1 (the cap on r of the A < 0 tokens), got {self.dual_clip!r}")
 
     def resolve(self, mode: "MaskMode") -> "Thresholds":
-        """These thresholds with a None delta replaced by the mode's default."""
+        """These thresholds with a None delta replaced by the mode's default (a ``dual_clip``
+        for a mode without the ``ppo-clip`` surrogate is refused: it would do nothing)."""
+        if self.dual_clip is not None and mode.surrogate != "ppo-clip":
+            raise ValueError(f"dual_clip: applies to the ppo-clip surrogate (grpo) only; mode {mode.name!r} uses "
+                             f"the {mode.surrogate} surrogate, which has no dual clip; remove dual_clip")
         if self.delta_low is not None and self.delta_high is not None:
             return self
         dl = mode.default_delta if self.delta_low is None else self.delta_low
         dh = mode.default_delta if self.delta_high is None else self.delta_high
-        return Thresholds(dl, dh, self.eps_low, self.eps_high)
+        return Thresholds(dl, dh, self.eps_low, self.eps_high, self.dual_clip)
 
 
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
-#: Surrogates a mode may name (see :func:`pdmask.loss.token_loss`).
-SURROGATES = ("dppo", "ppo-clip")
+#: Surrogates a mode may name (see :func:`pdmask.surrogates.token_loss`).
+SURROGATES = ("dppo", "ppo-clip", "drpo", "spo", "smooth")
+#: Surrogates whose trust region is a smooth weight on the gradient, not a 0/1 mask: DRPO,
+#: SPO and the smooth predictive weight (:func:`smooth_weight`). Like ``ppo-clip`` their ratio
+#: pi/mu keeps its gradient and is the token IS weight.
+SMOOTH_SURROGATES = ("drpo", "spo", "smooth")
 NEEDS = ("topk", "full", "batch")
 Direction = Callable[[Stats, str], torch.Tensor]
 
@@ -91,6 +115,16 @@ def ratio_region() -> Region:
     def region(stats: Stats, adv: torch.Tensor, th: Thresholds) -> torch.Tensor:
         r = stats["ratio"]
         return (adv != 0) & ((r > 1 + th.eps_high) | (r < 1 - th.eps_low))
+
+    return region
+
+
+def ratio_deviation_region() -> Region:
+    """Out of region iff ``|r - 1| > delta`` (delta by the sign of A): where SPO's weight
+    ``1 - sign(A (r - 1)) |r - 1| / delta`` turns negative on the outward side."""
+
+    def region(stats: Stats, adv: torch.Tensor, th: Thresholds) -> torch.Tensor:
+        return _by_sign(adv, (stats["ratio"] - 1).abs(), th.delta_low, th.delta_high)
 
     return region
 
@@ -133,9 +167,10 @@ class MaskMode:
             its predictive direction is compared with the ratio direction for the
             disagreement diagnostic (``topk_kl`` for ``grpo`` / ``none``, falling back
             to ``binary_kl`` without top-K input).
-        surrogate: ``"dppo"`` (``-M sg(min(r, C)) A log pi_k``) or ``"ppo-clip"``.
+        surrogate: ``"dppo"`` (``-M sg(min(r, C)) A log pi_k``), ``"ppo-clip"``, or one of
+            :data:`SMOOTH_SURROGATES` (no mask; :mod:`pdmask.surrogates`).
         needs: inputs the mode requires: ``"topk"``, ``"full"``, ``"batch"`` (``batch_ddot``).
-        default_delta: delta used when the caller passes none.
+        default_delta: delta used when the caller passes none (the smooth surrogates' scale).
         doc: one line for listings.
     """
 
@@ -171,6 +206,9 @@ def check_mode(mode: MaskMode) -> None:
                          f"got {mode.direction!r}")
     check_choice("divergence", mode.divergence, DIVERGENCES)
     check_choice("surrogate", mode.surrogate, SURROGATES)
+    if mode.surrogate == "smooth" and (getattr(mode.region, "divergence", None) is None or mode.direction is None):
+        raise ValueError(f"surrogate: 'smooth' (mode {mode.name!r}) weighs by the region's divergence and the "
+                         "direction test: it needs a divergence_region(...) and a direction")
     for need in mode.needs:
         check_choice("needs", need, NEEDS)
 
@@ -217,6 +255,18 @@ for _m in [
     MaskMode("pdm-batch-all-topk-tv", any_token_region(), batch_direction(), "topk_tv", needs=_BATCH,
              default_delta=0.15,
              doc="batch-aware mask, scope all: any token with A*batch_ddot > 0 (Phi over top-K TV > delta)"),
+    # smooth trust regions: no mask, a weight 1 - sign(A * direction) * D / delta on the gradient
+    MaskMode("drpo", divergence_region("binary_tv"), ratio_sign(), "binary_tv", surrogate="drpo",
+             default_delta=0.15,
+             doc="DRPO: -A r + |A| mu_k (r-1)^2 / (2 delta); weight 1 - sign(A(r-1)) |pi_k - mu_k| / delta, no mask"),
+    MaskMode("spo", ratio_deviation_region(), ratio_sign(), "topk_kl", surrogate="spo", default_delta=0.2,
+             doc="SPO: -A r + |A| (r-1)^2 / (2 delta); weight 1 - sign(A(r-1)) |r - 1| / delta, no mask"),
+    MaskMode("pdm-smooth-topk-kl", divergence_region("topk_kl"), predictive("topk_kl"), "topk_kl",
+             surrogate="smooth", needs=_TOPK,
+             doc="smooth predictive weight (experimental): 1 - sign(A*Ddot) topk_kl / delta, no mask"),
+    MaskMode("pdm-smooth-topk-tv", divergence_region("topk_tv"), predictive("topk_tv"), "topk_tv",
+             surrogate="smooth", needs=_TOPK, default_delta=0.15,
+             doc="smooth predictive weight (experimental): 1 - sign(A*Ddot) topk_tv / delta, no mask"),
 ]:
     register_mode(_m)
 
@@ -246,13 +296,47 @@ class MaskResult:
     ratio_outward: torch.Tensor  # bool
     predictive_outward: torch.Tensor  # bool, for the mode's (diagnostic) divergence
     divergence: torch.Tensor  # the diagnostic divergence values
+    weight: torch.Tensor | None = None  # the smooth surrogates' gradient weight (smooth_weight), else None
+
+
+def smooth_weight(stats: Stats, advantages: torch.Tensor, mode, *, estimator: str = "exact",
+                  thresholds: Thresholds | None = None) -> torch.Tensor:
+    """The gradient weight ``w`` of a smooth surrogate (detached, shaped like ``advantages``)::
+
+        w = 1 - sign(A * direction) * D / delta        delta = delta_high (A > 0), delta_low (A < 0)
+
+    ``drpo``: ``D = |pi_k - mu_k|`` (``binary_tv``), direction ``r - 1``; ``spo``:
+    ``D = |r - 1|``; ``smooth``: ``D`` the mode's region divergence, direction its test
+    (``Ddot`` for ``pdm-smooth-*``). ``w < 0`` (corrective) exactly where the hard mask of
+    that region and direction masks; ``A = 0`` gives ``w = 1``. The surrogates'
+    gradient is ``-A w r grad log pi_k`` (:func:`pdmask.surrogates.token_loss`).
+
+    Naive torch (``pdm-smooth-topk-kl``)::
+
+        w = 1 - torch.sign(A * st["ddot_topk_kl_exact"]) * st["topk_kl"] / torch.where(A > 0, dh, dl)
+    """
+    mode = get_mode(mode)
+    if mode.surrogate not in SMOOTH_SURROGATES:
+        raise ValueError(f"mode: {mode.name!r} uses the {mode.surrogate} surrogate, which has no smooth weight; "
+                         f"the smooth ones are: {', '.join(SMOOTH_SURROGATES)}")
+    th = (Thresholds() if thresholds is None else thresholds).resolve(mode)
+    adv = advantages.to(stats["log_ratio"].dtype)
+    if mode.surrogate == "spo":
+        dist, direction = (stats["ratio"] - 1).abs(), stats["log_ratio"]
+    elif mode.surrogate == "drpo":
+        dist, direction = stats["binary_tv"], stats["log_ratio"]
+    else:
+        dist, direction = stats[mode.region.divergence], mode.direction(stats, estimator)
+    delta = torch.where(adv > 0, torch.full_like(adv, th.delta_high), torch.full_like(adv, th.delta_low))
+    return (1 - torch.sign(adv * direction) * dist.to(adv.dtype) / delta).detach()
 
 
 def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: str = "exact",
                     thresholds: Thresholds | None = None) -> MaskResult:
     """Apply a mode to precomputed statistics (flat or shaped alike; ``advantages`` same shape).
 
-    ``thresholds`` None: ``Thresholds()`` (the mode's default deltas)."""
+    ``thresholds`` None: ``Thresholds()`` (the mode's default deltas). A smooth surrogate's
+    mode keeps every token (``keep`` all True) and carries its :func:`smooth_weight`."""
     mode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
     thresholds = (Thresholds() if thresholds is None else thresholds).resolve(mode)
@@ -268,4 +352,8 @@ def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: 
     pred_out = adv * stats[ddot_key(div, estimator)] > 0
     outward = (adv * mode.direction(stats, estimator) > 0) if mode.direction is not None else torch.zeros_like(out)
     keep = ~(out & outward)
-    return MaskResult(keep, out, outward, ratio_out, pred_out, stats[div].detach())
+    weight = None
+    if mode.surrogate in SMOOTH_SURROGATES:  # the trust region is the weight: nothing is masked
+        keep = torch.ones_like(keep)
+        weight = smooth_weight(stats, adv, mode, estimator=estimator, thresholds=thresholds)
+    return MaskResult(keep, out, outward, ratio_out, pred_out, stats[div].detach(), weight)

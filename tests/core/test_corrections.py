@@ -27,6 +27,7 @@ import torch
 
 import pdmask
 from pdmask import corrections as C
+from pdmask.masks import SMOOTH_SURROGATES
 
 from .helpers import make_case
 from tests import flat  # noqa: E402
@@ -270,14 +271,16 @@ def composed_case(seed=0):
 def test_masks_compose_with_every_mode(mode):
     """IcePop + a sequence rule + OPSM on top of each mode: the final mask is the mode's mask
     AND the corrections' keep, and the kept tokens' loss is unchanged (IcePop keeps r <= C
-    untouched, so min(r, C) = r on every kept token)."""
+    untouched, so min(r, C) = r on every kept token). The smooth surrogates have no cap
+    to set (their ratio is the weight: a given is_cap without is_mask is refused)."""
     b = composed_case()
     logits = b.pop("logits")
     corr = dict(is_mask=True, is_floor=0.3, is_cap=3.0, rejection="seq_max_k3", rejection_threshold=2.0,
                 off_policy_mask_threshold=0.3)
     z0 = logits.clone().requires_grad_(True)
     z1 = logits.clone().requires_grad_(True)
-    out0 = flat.policy_loss(z0, **b, mode=mode, is_cap=3.0)
+    cap = {} if pdmask.MODES[mode].surrogate in SMOOTH_SURROGATES else {"is_cap": 3.0}
+    out0 = flat.policy_loss(z0, **b, mode=mode, **cap)
     out1 = flat.policy_loss(z1, **b, mode=mode, **corr)
     lr = out0.stats["log_ratio"].detach()
     valid = b["response_mask"]

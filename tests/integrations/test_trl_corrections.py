@@ -52,9 +52,11 @@ MAPPING = [
 def test_vllm_is_options_map_to_the_core(tmp_path, trl_kw, core_kw):
     kw = H.loss_kwargs(H.config(tmp_path, **VLLM, **trl_kw))
     assert {k: kw[k] for k in core_kw} == core_kw
-    # without vLLM TRL applies no correction: pdmask's own (default) weight min(r, is_cap)
+    # without vLLM TRL applies no correction: pdmask's own (default) weight min(r, is_cap), the cap
+    # not given (None: 5)
     off = H.loss_kwargs(H.config(tmp_path))
-    assert (off["is_level"], off["is_mask"], off["is_cap"], off["is_floor"]) == ("token", False, 5.0, None)
+    assert (off["is_level"], off["is_mask"], off["is_cap"], off["is_floor"]) == ("token", False, None, None)
+    assert options.loss_spec(H.config(tmp_path)).corrections.is_cap == 5.0
 
 
 def _trl_is_ratio(old, sampling, mask, mode, lo, hi):

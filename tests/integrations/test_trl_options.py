@@ -43,6 +43,9 @@ REFUSED = [
     ({"epsilon": 0.3}, "epsilon"),                                               # pdm mode
     ({"epsilon_high": 0.28, "mask_mode": "dppo-binary-tv", "rollout_top_k": 0}, "epsilon_high"),
     ({"use_vllm": True, "mask_mode": "grpo"}, "vllm_importance_sampling_correction"),  # ratio is the weight
+    ({"use_vllm": True, "mask_mode": "drpo"}, "vllm_importance_sampling_correction"),  # ratio is the weight
+    ({"mask_mode": "spo", "is_cap": 3.0}, "is_cap"),                             # bounds nothing
+    ({"mask_mode": "dppo-topk-kl", "is_level": None, "is_cap": 3.0}, "is_cap"),  # no IS weight to cap
     ({"use_vllm": True, "is_level": "sequence"}, "vllm_importance_sampling_correction"),  # two IS weights
     ({"vllm_importance_sampling_mode": "token_truncate"}, "vllm_importance_sampling_mode"),
     ({"vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max"),
@@ -95,6 +98,9 @@ def test_every_refusing_option_has_a_refusal_case():
     {},                                                           # TRL's defaults (correction=True, no vLLM)
     {"mask_mode": "grpo", "epsilon": 0.1, "epsilon_high": 0.28, "delta": 2.0},
     {"mask_mode": "grpo", "delta": 3.0, "is_cap": 3.0},
+    {"mask_mode": "grpo", "delta": 10.0, "is_mask": True, "is_floor": 0.5, "is_cap": 3.0},  # IcePop + dual clip
+    {"mask_mode": "drpo", "mask_delta_low": 12.5, "mask_delta_high": 12.5},   # UniRL's drpo_epsilon
+    {"mask_mode": "pdm-smooth-topk-kl"},
     {"importance_sampling_level": "token"},
     {"use_vllm": True, "vllm_importance_sampling_correction": False},
     {"use_vllm": True},                                           # TRL's default correction, honoured
@@ -113,7 +119,8 @@ def test_accepted(tmp_path, kw):
 
 def test_rollout_top_k_defaults_by_mode(tmp_path):
     assert H.config(tmp_path, rollout_top_k=None, mask_mode="pdm-topk-kl").rollout_top_k == 20
-    for mode in ("grpo", "none", "dppo-binary-tv", "dppo-binary-kl"):
+    assert H.config(tmp_path, rollout_top_k=None, mask_mode="pdm-smooth-topk-tv").rollout_top_k == 20
+    for mode in ("grpo", "none", "dppo-binary-tv", "dppo-binary-kl", "drpo", "spo"):
         assert H.config(tmp_path, rollout_top_k=None, mask_mode=mode).rollout_top_k == 0, mode
 
 
@@ -153,10 +160,13 @@ def test_trl_delta_is_the_grpo_dual_clip(tmp_path):
     torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-12)
     r = (logp - old).exp()
     assert bool(((adv < 0) & (r > delta)).any()), "the sample must hit the dual clip"
+    mine, _ = pdmask.token_loss(logp, (logp - old).detach(), adv, torch.ones(n, dtype=torch.bool),
+                                surrogate="ppo-clip", dual_clip=delta, eps_low=eps_low, eps_high=eps_high)
+    assert torch.equal(mine, ours)  # the dual_clip spelling and the is_cap one (dual_clip unset)
     cfg = H.config(tmp_path, mask_mode="grpo", delta=delta, epsilon_high=eps_high)
     kw = H.loss_kwargs(cfg)
-    assert {k: kw[k] for k in ("eps_low", "eps_high", "is_cap")} == {"eps_low": eps_low, "eps_high": eps_high,
-                                                                     "is_cap": delta}
+    assert {k: kw[k] for k in ("eps_low", "eps_high", "dual_clip", "is_cap")} == {
+        "eps_low": eps_low, "eps_high": eps_high, "dual_clip": delta, "is_cap": None}
 
 
 def test_grpo_with_trl_delta_trains_with_that_cap(tmp_path):

@@ -25,7 +25,10 @@ from pdmask.integrations.trl import GRPOConfig  # noqa: E402
 
 #: every mode the trainer accepts, each with one of TRL's aggregations (all four covered twice)
 MODES = {"grpo": "dapo", "none": "bnpo", "dppo-binary-tv": "grpo", "dppo-binary-kl": "dr_grpo",
-         "dppo-topk-kl": "dapo", "dppo-topk-tv": "bnpo", "pdm-topk-kl": "grpo", "pdm-topk-tv": "dr_grpo"}
+         "dppo-topk-kl": "dapo", "dppo-topk-tv": "bnpo", "pdm-topk-kl": "grpo", "pdm-topk-tv": "dr_grpo",
+         "drpo": "dapo", "spo": "bnpo", "pdm-smooth-topk-kl": "grpo", "pdm-smooth-topk-tv": "dr_grpo"}
+#: the modes that need no top-K
+BINARY = ("grpo", "none", "dppo-binary-tv", "dppo-binary-kl", "drpo", "spo")
 
 
 def _check_records(tr, k):
@@ -52,7 +55,7 @@ def _check_records(tr, k):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_trains(tmp_path, mode):
-    k = 0 if mode in ("grpo", "none", "dppo-binary-tv", "dppo-binary-kl") else 4
+    k = 0 if mode in BINARY else 4
     tr = H.make_trainer(tmp_path, mask_mode=mode, rollout_top_k=k, loss_type=MODES[mode])
     before = [p.detach().clone() for p in tr.model.parameters()]
     tr.train()

@@ -43,12 +43,15 @@ def hand_aggregate(token_loss, mask, trainer, inputs, mode="train"):
 
 def loss_kwargs(args) -> dict:
     """The loss settings the config maps to, in the flat spelling of :mod:`tests.flat`:
-    the corrections' fields and the grpo clip range of ``options.loss_spec``."""
+    the corrections' fields (``is_cap`` None when not given), the grpo clip range and dual clip
+    of ``options.loss_spec``."""
     from pdmask.corrections import FIELDS
 
     spec = options.loss_spec(args)
     kw = {name: getattr(spec.corrections, name) for name in FIELDS}
-    kw.update(eps_low=spec.thresholds.eps_low, eps_high=spec.thresholds.eps_high)
+    if not spec.corrections.is_cap_given:
+        kw["is_cap"] = None
+    kw.update(eps_low=spec.thresholds.eps_low, eps_high=spec.thresholds.eps_high, dual_clip=spec.thresholds.dual_clip)
     return kw
 
 
@@ -80,15 +83,13 @@ class Probe(GRPOTrainer):
             mask = inputs["completion_mask"].bool()
             # TRL's two-sided clip `delta` is the grpo dual clip (see test_trl_options); the
             # corrections and the truncation as mapped by options (their mapping: test_trl_corrections)
-            cap = a.delta if (a.mask_mode == "grpo" and a.delta is not None) else a.is_cap
-            corr = {k: v for k, v in loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "is_cap")}
-            if options.vllm_is_on(a):
-                cap = loss_kwargs(a)["is_cap"]
+            dual = a.delta if (a.mask_mode == "grpo" and a.delta is not None) else None
+            corr = {k: v for k, v in loss_kwargs(a).items() if k not in ("eps_low", "eps_high", "dual_clip")}
             ref = flat.policy_loss(
                 logits, comp, inputs["sampled_logprob"], inputs.get("topk_ids"),
                 inputs.get("topk_logprobs"), inputs["advantages"], mask, mode=a.mask_mode,
                 estimator=a.mask_estimator, delta_low=a.mask_delta_low, delta_high=a.mask_delta_high,
-                eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, is_cap=cap,
+                eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, dual_clip=dual,
                 temperature=a.temperature, **corr, **sampling_kwargs(a))
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
             if moe:  # TRL adds coef x aux / GA (grpo_trainer._compute_loss)

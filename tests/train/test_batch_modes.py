@@ -12,7 +12,7 @@ import pdmask
 from pdmask.batchmask import batch_mask
 from pdmask.engine.hf import HFEngine, response_logits
 from tests.flat import policy_loss
-from pdmask.train.config import load_config, replace
+from pdmask.train.config import effective_is_cap, load_config, replace
 from pdmask.train.grpo import TIME_KEYS, train
 from pdmask.train.logging import read_jsonl
 from pdmask.train.model import build_model
@@ -46,7 +46,7 @@ def _reference(model, opt, batch, adv, cfg, params):
     return batch_mask(model, batch.sequences, batch.attention_mask, batch.rollout, adv, params=params, optimizer=opt,
                       divergence="topk_tv" if cfg.mode.endswith("tv") else "topk_kl",
                       scope="all" if "-all-" in cfg.mode else "region", delta_low=cfg.delta_low,
-                      delta_high=cfg.delta_high, temperature=cfg.temperature, is_cap=cfg.is_cap)
+                      delta_high=cfg.delta_high, temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
 
 
 @pytest.mark.parametrize("params", ["all", "1"])

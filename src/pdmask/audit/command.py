@@ -31,7 +31,7 @@ _NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
 def _configs(a: dict):
     """(trainer config, audit config) from the command's arguments; every check made here."""
     from ..train.checkpoint import is_run_dir
-    from ..train.config import load_config
+    from ..train.config import effective_is_cap, load_config
     from ..train.update import ADAMW_BETAS
     from .config import AuditConfig
 
@@ -58,7 +58,7 @@ def _configs(a: dict):
         divergence=a["divergence"], delta_low=base if a["delta_low"] is None else a["delta_low"],
         delta_high=base if a["delta_high"] is None else a["delta_high"], estimator=a["estimator"],
         step_mode=a["step_mode"], optimizer=a["optimizer"], lr=tcfg.lr if a["lr"] is None else a["lr"],
-        weight_decay=tcfg.weight_decay, betas=ADAMW_BETAS, grad_clip=tcfg.grad_clip, is_cap=tcfg.is_cap,
+        weight_decay=tcfg.weight_decay, betas=ADAMW_BETAS, grad_clip=tcfg.grad_clip, is_cap=effective_is_cap(tcfg),
         loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low, eps_high=tcfg.eps_high, temperature=tcfg.temperature,
         sample_tokens=a["sample_tokens"], disagreement_tokens=a["disagreement_tokens"],
         instruments=tuple(x.strip() for x in a["instruments"].split(",") if x.strip()),

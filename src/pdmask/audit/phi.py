@@ -59,6 +59,7 @@ from ..masks import MODES, Thresholds, divergence_region, get_mode
 from ..significance import DEFAULT_N_BOOT
 from ..ops import Sampling
 from ..stats import token_stats
+from ..train.config import effective_is_cap
 from .config import default_delta
 from .phi_report import markdown, sign_counts, summarize  # noqa: F401  (the report; re-exported)
 
@@ -297,7 +298,7 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
     for name, params in [("pdm-batch", "all")] + [(f"pdm-batch-last{n}", n) for n in settings.batch_lasts]:
         bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
                        delta_low=settings.delta_low, delta_high=settings.delta_high, scope="region",
-                       temperature=ps.tcfg.temperature, is_cap=ps.tcfg.is_cap, all_tokens=True)
+                       temperature=ps.tcfg.temperature, is_cap=effective_is_cap(ps.tcfg), all_tokens=True)
         res = bm(rb.sequences, rb.attention_mask, ps._rollout(rb), ps.A)
         if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
             raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")

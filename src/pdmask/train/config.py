@@ -89,16 +89,22 @@ class TrainConfig:
                                   "final hidden states and the LM-head weight, and no (B, T, V) tensor enters the graph "
                                   "(pdmask.policy_loss_from_hidden; not with full_logits or the pdm-batch-* modes)")
     # ---------------------------------------------------------------- loss / mask
-    mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, ...)")
+    mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, drpo, spo, "
+                                  "pdm-smooth-topk-kl, ...)")
     estimator: str = _f("exact", "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated")
     support: str = _f("topk+sampled", "support of the top-K divergences: topk+sampled (the rollout's top-K plus the "
                                       "sampled token) or topk (the top-K alone, the DPPO reference code); "
                                       "not with the pdm-batch-* modes")
-    delta_low: typing.Optional[float] = _f(None, "divergence threshold for A < 0 (null: the mode's default)")
-    delta_high: typing.Optional[float] = _f(None, "divergence threshold for A > 0 (null: the mode's default)")
+    delta_low: typing.Optional[float] = _f(None, "divergence threshold for A < 0, the smooth modes' scale delta "
+                                                 "(null: the mode's default)")
+    delta_high: typing.Optional[float] = _f(None, "divergence threshold for A > 0, the smooth modes' scale delta "
+                                                  "(null: the mode's default)")
     eps_low: float = _f(0.2, "grpo ratio clip below 1")
     eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
-    is_cap: float = _f(5.0, "IS-weight cap C in min(r, C); grpo's dual-clip constant (.inf disables)")
+    is_cap: typing.Optional[float] = _f(None, "IS-weight cap C in min(r, C) and upper bound of is_mask (null: 5; "
+                                              ".inf disables); grpo's dual-clip constant unless dual_clip is set")
+    dual_clip: typing.Optional[float] = _f(None, "grpo only: dual-clip constant C, the loss of an A < 0 token is at "
+                                                 "most -A C (verl clip_ratio_c; null: is_cap; .inf disables)")
     loss_agg: str = _f("token-mean", "loss aggregation (verl's agg_loss modes): token-mean, token-sum, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
     # ---------------------------------------------------------------- off-policy corrections (docs/corrections.md)
     is_level: typing.Optional[str] = _f("token", "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is")
@@ -172,9 +178,11 @@ class TrainConfig:
         for k in ("sft_steps", "checkpoint_every"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
-        for k in ("lr", "sft_lr", "temperature", "eps_low", "eps_high", "is_cap"):
+        for k in ("lr", "sft_lr", "temperature", "eps_low", "eps_high", "is_cap", "dual_clip"):
             v = getattr(self, k)
-            if not (v > 0) or (math.isinf(v) and k != "is_cap"):
+            if v is None and k in ("is_cap", "dual_clip"):
+                continue
+            if not (v > 0) or (math.isinf(v) and k not in ("is_cap", "dual_clip")):
                 raise ValueError(f"{k}: must be a positive number, got {v}")
         if not 0.0 <= self.sft_alt_format <= 1.0:
             raise ValueError(f"sft_alt_format: must lie in [0, 1], got {self.sft_alt_format}")
@@ -271,6 +279,14 @@ def _validate_trainable(cfg: TrainConfig) -> None:
                              f"(mode {cfg.mode!r}) or full_logits=false")
 
 
+def effective_is_cap(cfg: TrainConfig) -> float:
+    """The IS cap the config means: ``is_cap``, or pdmask's default when it is null (null,
+    not 5, is the field's default so that a cap the loss would ignore can be refused)."""
+    from ..corrections import DEFAULT_IS_CAP
+
+    return DEFAULT_IS_CAP if cfg.is_cap is None else cfg.is_cap
+
+
 def corrections(cfg: TrainConfig):
     """The config's :class:`pdmask.Corrections` (the field names are its field names; an
     empty ``rejection`` / ``rejection_threshold`` string is None)."""
@@ -300,7 +316,7 @@ def loss_spec(cfg: TrainConfig, *, validate: bool = False):
     from ..masks import Thresholds
 
     return PolicyLoss(mode=cfg.mode, estimator=cfg.estimator, support=cfg.support,
-                      thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high),
+                      thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high, cfg.dual_clip),
                       corrections=corrections(cfg), sampling=sampling(cfg),
                       aggregation=Aggregation(cfg.loss_agg), validate=validate)
 
@@ -490,6 +506,12 @@ def stored_config(run_dir: Path) -> dict | None:
     return data
 
 
+def _null_means(key: str, value):
+    """A field whose null default stands for a value compares by that value: ``is_cap``
+    null is 5 (runs made before the null default stored ``is_cap: 5.0``)."""
+    return effective_is_cap(TrainConfig()) if key == "is_cap" and value is None else value
+
+
 def config_diff(stored: dict, cfg: TrainConfig) -> dict:
     """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored). A key
     the stored config lacks counts as equal when ``cfg`` holds the field's default: a
@@ -501,6 +523,6 @@ def config_diff(stored: dict, cfg: TrainConfig) -> dict:
     for k in sorted(keys):
         if k not in stored and k in FIELDS and want.get(k) == FIELDS[k].default:
             continue
-        if stored.get(k) != want.get(k):
+        if _null_means(k, stored.get(k)) != _null_means(k, want.get(k)):
             out[k] = (stored.get(k), want.get(k))
     return out

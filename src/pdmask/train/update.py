@@ -25,7 +25,7 @@ from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
 from ..loss import PolicyLossOutput
 from ..masks import get_mode
-from .config import TrainConfig, loss_spec
+from .config import TrainConfig, effective_is_cap, loss_spec
 from .trainable import trainable_parameters
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
@@ -156,14 +156,14 @@ def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfi
                          "the preconditioner of the batch direction); pass optimizer= to compute_loss")
     mode = get_mode(cfg.mode)
     key = (id(optimizer), cfg.mode, cfg.batch_params, cfg.batch_method, cfg.estimator, cfg.delta_low,
-           cfg.delta_high, cfg.temperature, cfg.is_cap)
+           cfg.delta_high, cfg.temperature, effective_is_cap(cfg))
     hit = _MASKERS.get(model)
     if hit is not None and hit[0] == key and hit[1]() is optimizer:
         return hit[2]
     bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=mode.divergence,
                    estimator=cfg.estimator, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
                    scope="all" if cfg.mode.startswith("pdm-batch-all-") else "region", method=cfg.batch_method,
-                   temperature=cfg.temperature, is_cap=cfg.is_cap)
+                   temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
     _MASKERS[model] = (key, weakref.ref(optimizer), bm)
     return bm
 

@@ -20,7 +20,8 @@ def _check(overrides):
     check_config(compose_config(overrides))
 
 
-@pytest.mark.parametrize("loss_mode", [TOPK, "pdmask_dppo_topk_tv", BINARY])
+@pytest.mark.parametrize("loss_mode", [TOPK, "pdmask_dppo_topk_tv", BINARY, "pdmask_drpo", "pdmask_spo",
+                                       "pdmask_pdm_smooth_topk_kl"])
 def test_launch_script_passes(loss_mode):
     _check(script_overrides(LOSS_MODE=loss_mode))
 
@@ -53,6 +54,21 @@ def test_refused_with_one_line_naming_the_key(loss_mode, extra, key):
         _check(script_overrides(LOSS_MODE=loss_mode) + extra)
     msg = str(e.value)
     assert msg.startswith(f"{key}: ") and "\n" not in msg, msg
+
+
+def test_smooth_topk_loss_refuses_rollout_is_in_decoupled_mode():
+    """pdm-smooth-topk-* differentiate pi/mu against the rollout's mu: verl's IS weight against the
+    same mu would count the mismatch twice (the binary smooth modes take it, as a factor on each
+    token's loss, like the binary DPPO modes: their ratio's anchor is old_log_prob)."""
+    name = "pdmask_pdm_smooth_topk_kl"
+    script = [o for o in script_overrides(LOSS_MODE=name) if not o.startswith(f"{RC}.bypass_mode")]
+    decoupled = [f"{RC}.bypass_mode=false", f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0"]
+    with pytest.raises(ValueError) as e:
+        _check(script + decoupled)
+    assert str(e.value).startswith(f"{RC}.rollout_is: loss_mode={name} differentiates") and "\n" not in str(e.value)
+    _check(script + [f"{RC}.bypass_mode=false", f"{RC}.rollout_rs=seq_mean_k1", f"{RC}.rollout_rs_threshold=0.9_1.1"])
+    binary = [o for o in script_overrides(LOSS_MODE="pdmask_drpo") if not o.startswith(f"{RC}.bypass_mode")]
+    _check(binary + decoupled)
 
 
 def test_fused_kernels_pass_with_a_binary_loss():

@@ -37,7 +37,8 @@ def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
     mask[0, -2:] = False
     got = losses.binary_stats(logp, rlp, mask)
     want = binary_stats(logp, rlp, logp.exp().square())
-    assert set(got) == set(want) | {"entropy"}
+    assert set(got) == set(want) | {"entropy", "sampled_logprob"}
+    assert torch.equal(got["sampled_logprob"][mask], rlp[mask])  # the anchor's log mu_k (DRPO's mu_k)
     for key in want:
         torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=0, msg=key)
         assert torch.isfinite(got[key]).all(), key  # padding gets a harmless placeholder

@@ -104,7 +104,9 @@ def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact"
         assert ids[b, :n].tolist() == r.responses[b]
     # verl scales the logits by the temperature held as a float32 tensor
     t32 = float(torch.tensor(TEMP, dtype=torch.float32))
-    kw = {"delta_low": 0.05, "delta_high": 0.07, "is_cap": 5.0, **kw}
+    # the IS cap of the verl call (clip_ratio_c = 5); the smooth modes take none (their ratio is the weight)
+    cap = {"is_cap": 5.0} if pdmask.get_mode(mode).surrogate == "dppo" else {}
+    kw = {"delta_low": 0.05, "delta_high": 0.07, **cap, **kw}
     if response_mask is not None:
         mask = response_mask.bool() & mask
     return flat.policy_loss(logits, ids, rlp, tk, tl, adv, mask, mode=mode, estimator=estimator,

@@ -25,6 +25,7 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
 
         loss_t = - M_t * sg(min(pi_k / mu_k, is_cap)) * A_t * log pi_k          (dppo-*, pdm-*)
         loss_t = max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high)), r = pi_k / mu_k   (grpo)
+        drpo, spo, pdm-smooth-*: no mask, a weight on the gradient (docs/core.md)
 
     TRL fields that keep their meaning: ``temperature`` (pi = softmax(logits / T), the
     same T the generator samples at), ``top_k`` / ``top_p`` / ``min_p`` (the captured mu
@@ -42,16 +43,17 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_mode: str = field(
         default="pdm-topk-kl",
         metadata={"help": "Trust-region mask mode (pdmask.MODES): grpo, none, dppo-binary-tv, dppo-binary-kl, "
-                          "dppo-topk-kl, dppo-topk-tv, pdm-topk-kl, pdm-topk-tv. The *-full-* modes need the "
-                          "generator's full logits and are not available here."})
+                          "dppo-topk-kl, dppo-topk-tv, pdm-topk-kl, pdm-topk-tv, drpo, spo, pdm-smooth-topk-kl, "
+                          "pdm-smooth-topk-tv. The *-full-* modes need the generator's full logits and are not "
+                          "available here."})
     mask_estimator: str = field(
         default="exact",
         metadata={"help": "Top-K tail estimator of the predictive direction: exact, aggregated (the paper), "
                           "uniform, truncated."})
     mask_delta_low: float | None = field(
         default=None,
-        metadata={"help": "Divergence threshold for tokens with negative advantage (default: the mode's, 0.05 "
-                          "for KL, 0.15 for TV)."})
+        metadata={"help": "Divergence threshold for tokens with negative advantage, the scale delta of drpo, "
+                          "spo and pdm-smooth-* (default: the mode's, 0.05 for KL, 0.15 for TV)."})
     mask_delta_high: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with positive advantage (default: the mode's)."})
@@ -61,10 +63,10 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                           "allow it with --max-logprobs >= K). Default: 20 for the *-topk-* modes, 0 (only the "
                           "sampled token's log-prob) for grpo, none, dppo-binary-*. Must not exceed the "
                           "vocabulary size (checked when the trainer is built)."})
-    is_cap: float = field(
+    is_cap: float | None = field(
         default=IS_CAP_DEFAULT,
-        metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes); the dual-clip constant in grpo "
-                          "mode. inf disables it."})
+        metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes; None: 5) and upper bound of is_mask; "
+                          "the dual-clip constant in grpo mode unless delta is set. inf disables it."})
     is_level: str | None = field(
         default="token",
         metadata={"help": "IS weight of the dppo/pdm modes (pdmask.corrections): 'token' (min(pi/mu, is_cap), the "

@@ -58,7 +58,13 @@ def _grpo(args) -> bool:
     return args.mask_mode == "grpo"
 
 
-#: pdmask's default IS cap (``PDMaskGRPOConfig.is_cap``).
+def _ratio_weighted(args) -> bool:
+    """The mode differentiates its ratio pi/mu (grpo, drpo, spo, pdm-smooth-*): the ratio is its IS weight."""
+    return args.mask_mode in MODES and MODES[args.mask_mode].surrogate != "dppo"
+
+
+#: ``PDMaskGRPOConfig.is_cap``'s default: None, pdmask's cap 5 (``pdmask.corrections.DEFAULT_IS_CAP``),
+#: not given (a given cap the loss would ignore is refused).
 IS_CAP_DEFAULT = Corrections.is_cap
 
 
@@ -67,7 +73,7 @@ def _refuse_delta(a) -> str | None:
         return None
     if not _grpo(a):
         return "two-sided clipping applies to mask_mode='grpo' only; the dppo/pdm modes cap the IS weight with is_cap"
-    if a.is_cap not in (IS_CAP_DEFAULT, a.delta):
+    if not a.is_mask and a.is_cap not in (IS_CAP_DEFAULT, a.delta):
         return f"and is_cap={a.is_cap} both set the grpo dual clip; set one of them"
     eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
     if not a.delta > 1 + eps_high:
@@ -105,9 +111,9 @@ def vllm_is_on(a) -> bool:
 def _refuse_vllm_is(a) -> str | None:
     if not vllm_is_on(a):
         return None
-    if _grpo(a):
-        return ("mask_mode='grpo' already weights by its ratio pi/mu against the vLLM sampler mu (a second weight "
-                "would count it twice); set vllm_importance_sampling_correction=False")
+    if _ratio_weighted(a):
+        return (f"mask_mode={a.mask_mode!r} already weights by its ratio pi/mu against the vLLM sampler mu (a second "
+                "weight would count it twice); set vllm_importance_sampling_correction=False")
     if a.vllm_importance_sampling_mode not in VLLM_IS_MODES:
         return None  # TRL's own config refuses an unknown mode first
     set_ = [n for n, d in IS_FIELDS.items() if getattr(a, n) != d]
@@ -143,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
                  "leave it unset or use mask_mode='grpo'")),
     Option("delta", "honoured in mask_mode='grpo', refused otherwise",
            "grpo: TRL's two-sided clip caps the ratio of A < 0 tokens at delta -- the same objective as "
-           "pdmask's dual clip, so is_cap = delta", _refuse_delta),
+           "pdmask's dual clip, so dual_clip = delta", _refuse_delta),
     Option("importance_sampling_level", "honoured for 'token', refused for 'sequence'",
            "the mask, the ratio and the IS weight are per token",
            _when(lambda a: a.importance_sampling_level != "token",
@@ -162,8 +168,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("top_entropy_quantile", "refused unless 1.0", "every token is trained",
            _when(lambda a: a.top_entropy_quantile < 1.0, "must be 1.0 with a trust-region mask")),
     Option("vllm_importance_sampling_correction",
-           "honoured with use_vllm=True in the dppo/pdm modes, refused with mask_mode='grpo' (a no-op without "
-           "vLLM, as in TRL)",
+           "honoured with use_vllm=True in the dppo/pdm modes, refused with grpo, drpo, spo and pdm-smooth-* (their "
+           "ratio is the weight; a no-op without vLLM, as in TRL)",
            "TRL's mode and bounds choose the IS weight against the vLLM sampler mu in place of min(pi/mu, is_cap) "
            "(is_level / is_mask / is_floor / is_cap, see vllm_importance_sampling_mode)", _refuse_vllm_is),
     Option("vllm_importance_sampling_mode", "honoured with the correction on (see above), refused otherwise "
@@ -259,15 +265,16 @@ def check_mask_options(args) -> None:
 
 def _is_fields(args) -> dict[str, Any]:
     """The IS weight: TRL's vLLM correction when it is on (:data:`VLLM_IS_MODES`), else pdmask's
-    ``is_*`` fields (``delta`` is the dual clip in grpo mode). TRL's bounds: ``clip_max`` None
-    = no upper bound (``is_cap=inf``), ``clip_min`` None or 0 = no lower bound."""
-    if vllm_is_on(args) and not _grpo(args):
+    ``is_*`` fields (``delta`` is the dual clip in grpo mode, :func:`loss_spec`; an ``is_cap``
+    equal to it without ``is_mask`` says the same and is dropped). TRL's bounds: ``clip_max``
+    None = no upper bound (``is_cap=inf``), ``clip_min`` None or 0 = no lower bound."""
+    if vllm_is_on(args) and not _ratio_weighted(args):
         level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
         hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
         return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else hi,
                 "is_floor": lo if lo else None}
-    if _grpo(args) and args.delta is not None:
-        return {"is_cap": args.delta}
+    if _grpo(args) and args.delta is not None and not args.is_mask:
+        return {"is_cap": None}
     return {}
 
 
@@ -278,7 +285,7 @@ def corrections(args):
         return Corrections.from_fields(args, **_is_fields(args), rejection=args.rejection or None,
                                        rejection_threshold=args.rejection_threshold or None)
     except ValueError as e:
-        if vllm_is_on(args) and not _grpo(args):
+        if vllm_is_on(args) and not _ratio_weighted(args):
             raise ValueError(f"vllm_importance_sampling_clip_min / _clip_max: {e}") from None
         raise
 
@@ -306,8 +313,8 @@ _FIELD_OF = {"mode": "mask_mode", "estimator": "mask_estimator", "delta_low": "m
 
 def loss_spec(args):
     """The trainer's :class:`pdmask.PolicyLoss`, the one spec built from the config: the
-    mask settings, the grpo clip range (``epsilon`` / ``epsilon_high``), the corrections,
-    the generator's sampling. Every setting is checked there, once; an error names the
+    mask settings, the grpo clip range (``epsilon`` / ``epsilon_high``) and dual clip
+    (``delta``), the corrections, the generator's sampling. Every setting is checked there, once; an error names the
     config's field."""
     from ...loss import PolicyLoss
     from ...masks import Thresholds
@@ -315,8 +322,9 @@ def loss_spec(args):
 
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     try:
+        dual = args.delta if _grpo(args) else None
         return PolicyLoss(mode=args.mask_mode, estimator=args.mask_estimator,
-                          thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high),
+                          thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high, dual),
                           corrections=corrections(args), sampling=sampling(args),
                           compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate)
     except ValueError as e:

@@ -237,7 +237,8 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         ``entropy``: of pi = softmax(logits / T), as TRL's. ``clip_ratio/*``: the tokens the
         objective zeroes (the mask, and in grpo mode also the dual clip), split by the sign
         of A as TRL splits its clipped tokens: ``low`` = A < 0, ``high`` = A > 0,
-        ``region`` = both. In grpo mode this is TRL's definition with r = pi/mu.
+        ``region`` = both. In grpo mode ``high`` is TRL's definition with r = pi/mu; ``low``
+        also counts the dual-clipped tokens, which TRL's does not (docs/trl.md).
         """
         m = res.metrics
         names = sorted(m)

@@ -19,6 +19,9 @@ this module refuses it with one line naming the key, instead of letting verl dro
   over the kept set, verl's differentiable ``log_prob`` is not, and a
   registered loss cannot change that (the core's truncated-sampling correction needs the
   logits' gradient path).
+- ``algorithm.rollout_correction.rollout_is`` with a smooth top-K loss
+  (``pdmask_pdm_smooth_topk_*``): its ratio pi/mu against the rollout's mu already is the
+  token IS weight, and verl's weight against the same mu would count it twice.
 - ``actor_rollout_ref.model.use_fused_kernels=true`` with a top-K loss: the fused forward
   returns log-probs and entropy computed from the hidden states inside the model
   (``FusedLinearForPPO``); no logits and no hidden states reach any hook (docs/verl.md).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...masks import SMOOTH_SURROGATES, get_mode
 from .losses import BINARY_MODES, registered_names
 
 
@@ -72,6 +76,12 @@ def check_config(config: Any) -> None:
                     f"it expects its own bypass_mode loss), so with loss_mode={loss_mode} it would not be applied; "
                     f"set {rc}.bypass_mode=false (the pdmask losses take verl's IS weights and rejection mask) or "
                     f"{key}=null")
+    if (mode not in BINARY_MODES and get_mode(mode).surrogate in SMOOTH_SURROGATES
+            and _get(config, f"{rc}.rollout_is") is not None):
+        raise ValueError(
+            f"{rc}.rollout_is: loss_mode={loss_mode} differentiates its ratio pi/mu against the rollout's mu, which "
+            "already is the token IS weight; verl's weight against the same mu would count it twice; set "
+            f"{rc}.rollout_is=null (rollout_rs rejection still applies)")
     if _has(config, "actor_rollout_ref.actor.policy_loss.rollout_correction"):
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.rollout_correction: read only by verl's bypass_mode loss, not by "

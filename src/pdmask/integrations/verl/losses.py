@@ -12,21 +12,23 @@ sampled tokens at the sampling temperature), ``old_log_prob`` the anchor (see be
 ``algorithm.rollout_correction.rollout_is`` is set. Nothing else reaches the function: no
 logits, no top-K. Hence two kinds of modes:
 
-- **Binary modes** (``pdmask_dppo_binary_tv``, ``pdmask_dppo_binary_kl``) work with stock
-  verl: binary TV/KL of the sampled token need only ``log pi_k`` and the anchor's
-  ``log mu_k``. The anchor is ``old_log_prob`` exactly as verl passes it: the actor's
+- **Binary modes** (``pdmask_dppo_binary_tv``, ``pdmask_dppo_binary_kl``, ``pdmask_drpo``,
+  ``pdmask_spo``) work with stock verl: binary TV/KL of the sampled token, DRPO's and SPO's
+  quadratic need only ``log pi_k`` and the anchor's ``log mu_k``. The anchor is ``old_log_prob`` exactly as verl passes it: the actor's
   recomputed pre-update log-prob (decoupled mode, verl's default) or the rollout engine's
   log-prob when ``algorithm.rollout_correction.bypass_mode=true`` copies
   ``rollout_log_probs`` into ``old_log_probs`` (the DPPO / pdmask anchor).
-- **Top-K modes** (``pdmask_dppo_topk_{kl,tv}``, ``pdmask_pdm_topk_{kl,tv}[_<estimator>]``)
-  need per-token statistics reduced from the logits and the rollout top-K. The pdmask
+- **Top-K modes** (``pdmask_dppo_topk_{kl,tv}``, ``pdmask_pdm_topk_{kl,tv}[_<estimator>]``,
+  ``pdmask_pdm_smooth_topk_{kl,tv}[_<estimator>]``) need per-token statistics reduced from the logits and the rollout top-K. The pdmask
   training engine (:mod:`.actor`) computes them in verl's logits-processor hook and
   hands them to these losses through :func:`rollout_stats`; their anchor is the rollout
   engine's own log-prob of the sampled token (``mu_k``), never a recomputed policy.
 
 Thresholds use verl's DPPO convention (``verl/trainer/ppo/core_algos.py:
 compute_policy_loss_dppo_tv``): ``actor.clip_ratio_low`` / ``clip_ratio_high`` are the
-divergence thresholds delta for A < 0 / A > 0, ``actor.clip_ratio_c`` is the IS cap C.
+divergence thresholds delta for A < 0 / A > 0 (the smooth modes' scale delta: DRPO's
+``drpo_epsilon``, SPO's epsilon), ``actor.clip_ratio_c`` is the IS cap C of the DPPO
+surrogates (the smooth modes have none: their ratio is the weight).
 The loss is the core's pipeline, not a copy of it: statistics from
 :func:`pdmask.stats.binary_stats` (binary) or the actor hook's top-K reductions (top-K),
 then :meth:`pdmask.PolicyLoss.from_stats` (mask, corrections, surrogate, aggregation,
@@ -53,15 +55,15 @@ from ...corrections import Corrections
 from ...directions import log_ratio as _log_ratio
 from ...keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
 from ...loss import Aggregation, PolicyLoss
-from ...masks import Thresholds, get_mode
+from ...masks import SMOOTH_SURROGATES, Thresholds, get_mode
 from ...stats import binary_stats as _binary_stats
 from ...stats import capped_ratio
 
 PREFIX = "pdmask_"
 #: Modes whose statistics need only log pi_k and the anchor's log mu_k.
-BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl")
+BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl", "drpo", "spo")
 #: Modes that need the rollout top-K (the pdmask engine + rollout replica).
-TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv")
+TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv", "pdm-smooth-topk-kl", "pdm-smooth-topk-tv")
 #: Per-token statistics the actor hook provides for the top-K modes (all (B, T)).
 TOPK_STAT_KEYS = (
     "sampled_logprob", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
@@ -86,8 +88,8 @@ def loss_name(mode: str, estimator: str = "exact") -> str:
 def registered_names() -> dict[str, tuple[str, str]]:
     """``{verl loss_mode: (pdmask mode, estimator)}`` of every loss this module registers.
 
-    The estimator only changes the predictive direction, so the ``dppo-*`` modes (ratio
-    direction) are registered once; ``pdm-topk-*`` once per estimator.
+    The estimator only changes the predictive direction, so the modes with the ratio
+    direction (``dppo-*``, ``drpo``, ``spo``) are registered once; ``pdm-*`` once per estimator.
     """
     out = {}
     for mode in BINARY_MODES + TOPK_MODES:
@@ -139,6 +141,7 @@ def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
     sum_p2 = logp.exp().square()  # lower bound of sum_i pi_i^2 (sign-preserving, see above)
     st = _binary_stats(logp, anchor, sum_p2)
     st["entropy"] = torch.zeros_like(logp)
+    st["sampled_logprob"] = anchor
     return st
 
 
@@ -171,6 +174,7 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
     out = {k: st[k].to(dt) for k in TOPK_STAT_KEYS if k not in ("tail_clamped", "sampled_in_topk")}
     out.update(
         log_ratio=log_ratio,
+        sampled_logprob=rlp,
         ratio=capped_ratio(log_ratio),
         entropy=st.get("entropy", torch.zeros_like(logp)).to(dt),
         tail_clamped=st["tail_clamped"].bool(),
@@ -221,11 +225,13 @@ def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregati
 def policy_loss_spec(mode_name: str, estimator: str, config, loss_agg_mode: str) -> PolicyLoss:
     """The one :class:`pdmask.PolicyLoss` of a verl call: verl's DPPO fields as the thresholds
     (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to ``clip_ratio``) and the IS
-    cap (``clip_ratio_c``), ``config.global_batch_info`` as the aggregation (:func:`aggregation`)."""
+    cap (``clip_ratio_c``; not for the smooth modes, whose ratio is the weight),
+    ``config.global_batch_info`` as the aggregation (:func:`aggregation`)."""
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    smooth = get_mode(mode_name).surrogate in SMOOTH_SURROGATES
     return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh),
-                      corrections=Corrections(is_cap=float(config.clip_ratio_c)),
+                      corrections=Corrections() if smooth else Corrections(is_cap=float(config.clip_ratio_c)),
                       aggregation=aggregation(loss_agg_mode, config.global_batch_info))
 
 
