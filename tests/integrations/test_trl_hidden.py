@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="needs the trl extra: pip install 'pdmask[trl]' (run .ci/trl.sh)")
+pytest.importorskip("trl", reason="needs the trl extra: pip install -e '.[trl]' (run .ci/trl.sh)")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import trl_helpers as H  # noqa: E402

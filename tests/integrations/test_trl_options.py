@@ -18,6 +18,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import trl_helpers as H  # noqa: E402
 
+import pdmask  # noqa: E402
 from pdmask.integrations.trl import options  # noqa: E402
 
 
@@ -36,9 +37,13 @@ def test_every_trl_grpo_field_is_classified():
 
 
 REFUSED = [
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),    # GSPO, pdm mode
+    ({"importance_sampling_level": "sequence", "mask_mode": "grpo"}, "importance_sampling_level"),
+    ({"importance_sampling_level": "sequence", "mask_mode": "none"}, "importance_sampling_level"),
+    ({"importance_sampling_level": "word"}, "importance_sampling_level"),
     ({"delta": 4.0}, "delta"),                                                   # pdm mode
     ({"mask_mode": "grpo", "delta": 4.0, "is_cap": 3.0}, "delta"),               # two dual clips
+    ({"mask_mode": "grpo", "delta": 3.0, "is_cap": 5.0}, "delta"),               # 5.0 written out is set
     ({"mask_mode": "grpo", "delta": 1.1}, "delta"),                              # <= 1 + epsilon_high
     ({"epsilon": 0.3}, "epsilon"),                                               # pdm mode
     ({"epsilon_high": 0.28, "mask_mode": "dppo-binary-tv", "rollout_top_k": 0}, "epsilon_high"),
@@ -47,12 +52,16 @@ REFUSED = [
     ({"mask_mode": "spo", "is_cap": 3.0}, "is_cap"),                             # bounds nothing
     ({"mask_mode": "dppo-topk-kl", "is_level": None, "is_cap": 3.0}, "is_cap"),  # no IS weight to cap
     ({"use_vllm": True, "is_level": "sequence"}, "vllm_importance_sampling_correction"),  # two IS weights
+    ({"use_vllm": True, "is_level": "token"}, "vllm_importance_sampling_correction"),     # set, though the default
+    ({"use_vllm": True, "is_cap": 5.0}, "vllm_importance_sampling_correction"),
+    ({"use_vllm": True, "is_mask": False}, "vllm_importance_sampling_correction"),
     ({"vllm_importance_sampling_mode": "token_truncate"}, "vllm_importance_sampling_mode"),
     ({"vllm_importance_sampling_clip_max": 2.0}, "vllm_importance_sampling_clip_max"),
     ({"vllm_importance_sampling_clip_min": 0.5}, "vllm_importance_sampling_clip_min"),
     ({"vllm_importance_sampling_cap": 2.0}, "vllm_importance_sampling_cap"),
     ({"vllm_structured_outputs_regex": "a+"}, "vllm_structured_outputs_regex"),
-    ({"beta": 0.04}, "beta"),
+    ({"beta": 0.04, "top_p": 0.9}, "beta"),                                      # KL on a renormalised pi
+    ({"beta": 0.04, "generation_kwargs": {"top_k": 5}}, "beta"),
     ({"entropy_coef": 0.01}, "entropy_coef"),
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
     ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold"),
@@ -74,6 +83,7 @@ REFUSED = [
     ({"use_transformers_paged": True}, "use_transformers_paged"),
     ({"mask_mode": "grpo", "mask_delta_low": 0.1}, "mask_delta_low"),
     ({"mask_mode": "pdm-batch-topk-kl"}, "mask_mode"),
+    ({"mask_mode": "nope"}, "mask_mode"),
     ({"mask_mode": "pdm-full-kl"}, "mask_mode"),
     ({"rollout_top_k": 0}, "rollout_top_k"),                                    # pdm mode needs K >= 1
     ({"rollout_top_k": -1, "mask_mode": "grpo"}, "rollout_top_k"),
@@ -110,11 +120,63 @@ def test_every_refusing_option_has_a_refusal_case():
     {"rejection": "seq_mean_k1,token_k3", "rejection_threshold": "0.5_2,0.1"},
     {"top_p": 0.9, "top_k": 10},
     {"num_iterations": 2},
+    {"beta": 0.04},
+    {"beta": 0.04, "use_bias_correction_kl": True, "sync_ref_model": True},
+    {"use_vllm": True, "vllm_importance_sampling_correction": False, "is_cap": 5.0, "is_level": "token",
+     "is_mask": False},
 ])
 def test_accepted(tmp_path, kw):
     cfg = H.config(tmp_path, **kw)
     # nothing is quietly rewritten any more (the old config forced the correction off)
     assert cfg.vllm_importance_sampling_correction == kw.get("vllm_importance_sampling_correction", True)
+
+
+def test_unset_is_fields_take_the_cores_defaults(tmp_path):
+    """None / 'auto' mean "not set" (the both-set refusals test that, not the value): unset, the
+    IS weight is the core's default min(r, 5), or TRL's delta / vLLM correction where those apply."""
+    cfg = H.config(tmp_path)
+    assert (cfg.is_cap, cfg.is_level, cfg.is_mask) == (None, "auto", None)
+    c = options.corrections(cfg)
+    assert (c.is_cap, c.is_level, c.is_mask, c.is_floor) == (pdmask.Corrections.is_cap, "token", False, None)
+    assert options.corrections(H.config(tmp_path, mask_mode="grpo", delta=3.0)).is_cap == 3.0
+    assert options.corrections(H.config(tmp_path, mask_mode="grpo", delta=3.0, is_cap=3.0)).is_cap == 3.0
+    assert options.corrections(H.config(tmp_path, is_cap=5.0)).is_cap == 5.0
+
+
+def _listed_modes(tmp_path) -> list[str]:
+    with pytest.raises(ValueError) as e:
+        H.config(tmp_path, mask_mode="nope")
+    msg = str(e.value)
+    head = "mask_mode: unknown mode 'nope'; valid modes are: "
+    assert msg.startswith(head) and "\n" not in msg, msg
+    return msg[len(head):].split(", ")
+
+
+def test_unknown_mode_lists_the_modes_the_trainer_accepts(tmp_path, monkeypatch):
+    """The list is every registered mode the config accepts, and only those; computed from the
+    registry, so a mode registered later appears when the trainer can supply its inputs."""
+    listed = _listed_modes(tmp_path)
+    assert listed == options.accepted_modes()
+    for name in pdmask.MODES:
+        try:
+            H.config(tmp_path, mask_mode=name, rollout_top_k=None)
+            accepted = True
+        except ValueError as e:
+            assert str(e).startswith(f"mask_mode: {name!r} needs "), e
+            accepted = False
+        assert accepted == (name in listed), name
+    assert "pdm-topk-kl" in listed and "pdm-full-kl" not in listed and "pdm-batch-topk-kl" not in listed
+    topk = pdmask.MaskMode("test-topk", pdmask.divergence_region("topk_kl"), None, "topk_kl",
+                           needs=frozenset({"topk"}))
+    monkeypatch.setitem(pdmask.MODES, "test-topk", topk)
+    monkeypatch.setitem(pdmask.MODES, "test-full", dataclasses.replace(topk, name="test-full",
+                                                                        needs=frozenset({"full"})))
+    monkeypatch.setitem(pdmask.MODES, "test-new-input", dataclasses.replace(topk, name="test-new-input",
+                                                                             needs=frozenset({"topk", "other"})))
+    assert _listed_modes(tmp_path) == [*listed, "test-topk"]
+    assert H.config(tmp_path, mask_mode="test-topk").rollout_top_k == 4
+    with pytest.raises(ValueError, match=r"^mask_mode: 'test-new-input' needs 'other' inputs"):
+        H.config(tmp_path, mask_mode="test-new-input")
 
 
 def test_rollout_top_k_defaults_by_mode(tmp_path):

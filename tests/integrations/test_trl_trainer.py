@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="needs the trl extra: pip install 'pdmask[trl]' (run .ci/trl.sh)")
+pytest.importorskip("trl", reason="needs the trl extra: pip install -e '.[trl]' (run .ci/trl.sh)")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import trl_helpers as H  # noqa: E402
@@ -90,12 +90,48 @@ def test_mask_fires_off_policy(tmp_path):
     assert any(not bool(r["kept"][r["mask"]].all()) for r in off), "no token was ever masked"
 
 
+def _counting_scoring_forwards(tr) -> list:
+    """Count the calls of TRL's scoring forward (old / reference log-probs; nothing else calls it
+    here: the loss has its own forward)."""
+    calls, orig = [], tr._get_per_token_logps_and_entropies
+
+    def counting(*a, **kw):
+        calls.append(a[0] if a else kw.get("model"))
+        return orig(*a, **kw)
+
+    tr._get_per_token_logps_and_entropies = counting
+    return calls
+
+
+def test_trls_old_logprob_forward_is_skipped(tmp_path):
+    """num_iterations=2: TRL would score the generation batch once more for old_per_token_logps,
+    which the loss never reads. Skipped, the losses are the same to the bit and the forward is gone."""
+    runs = {}
+    for skip in (True, False):
+        tr = H.make_trainer(tmp_path / str(skip), mask_mode="pdm-topk-kl", num_iterations=2, steps_per_generation=1,
+                            mask_delta_low=1e-3, mask_delta_high=1e-3, learning_rate=0.1, max_steps=2)
+        tr._pdmask_skip_old_logps = skip
+        calls = _counting_scoring_forwards(tr)
+        tr.train()
+        _check_records(tr, 4)
+        assert len(tr.records) == 2
+        assert tr.num_iterations == 2 and tr.vllm_importance_sampling_correction is True  # restored
+        runs[skip] = tr.records
+        assert len(calls) == (0 if skip else 1), calls  # one generation batch: TRL scores it once
+        assert ("old_per_token_logps" in tr.records[0]["inputs"]) is not skip
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(a["loss"], b["loss"])
+    assert float(runs[True][1]["metrics"]["kept_frac"]) < 1.0  # the second pass is off-policy: the mask acted
+
+
 def test_vllm_path_picks_the_sampled_token(tmp_path):
     tr = H.make_trainer(tmp_path, mask_mode="pdm-topk-kl", rollout_top_k=3, max_steps=2)
     tr.use_vllm = True  # route generation through the (fake) vLLM backend
     tr.vllm_generation = H.FakeVLLMGeneration(tr, logprobs=3)
     tr._last_loaded_step = -1
+    calls = _counting_scoring_forwards(tr)
     tr.train()
+    assert not calls  # TRL's vLLM IS correction (on by default) would score the batch for old log-probs
     assert tr.vllm_generation.synced >= 1
     _check_records(tr, 3)
     # the fake really produced K + 1 entries where the sampled token fell outside the
@@ -113,7 +149,7 @@ def test_vllm_path_picks_the_sampled_token(tmp_path):
     ({"mask_mode": "nope"}, "^mask_mode: unknown mode"),
     ({"mask_mode": "pdm-topk-kl", "rollout_top_k": 0}, "K >= 1"),
     ({"loss_type": "cispo"}, "loss_type"),
-    ({"beta": 0.04}, "beta"),
+    ({"beta": 0.04, "top_p": 0.9}, "beta"),
     ({"mask_estimator": "magic"}, "mask_estimator"),
     ({"mask_delta_low": -1.0}, "mask_delta_low"),
     ({"is_cap": 0.0}, "is_cap"),

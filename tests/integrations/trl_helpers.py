@@ -92,15 +92,25 @@ class Probe(GRPOTrainer):
                 eps_low=a.epsilon, eps_high=a.epsilon_high or a.epsilon, dual_clip=dual,
                 temperature=a.temperature, **corr, **sampling_kwargs(a))
             expected = hand_aggregate(ref.token_loss, mask, self, inputs)
+            kl = None
+            if self.beta != 0.0:  # TRL's k3 term (grpo_trainer._compute_loss), from independent forwards
+                ref_logits = self.ref_model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1:-1]
+                T = a.temperature
+                lp = torch.log_softmax(logits / T, -1).gather(-1, comp[..., None]).squeeze(-1)
+                ref_lp = torch.log_softmax(ref_logits.float() / T, -1).gather(-1, comp[..., None]).squeeze(-1)
+                kl = torch.exp(ref_lp - lp) - (ref_lp - lp) - 1
+                if a.use_bias_correction_kl:
+                    kl = kl * torch.exp(lp - inputs["sampled_logprob"])
+                expected = expected + hand_aggregate(self.beta * kl, mask, self, inputs)
             if moe:  # TRL adds coef x aux / GA (grpo_trainer._compute_loss)
                 ga = self.current_gradient_accumulation_steps
                 expected = expected + self.router_aux_loss_coef * out.aux_loss / ga
         self.records.append({
             "loss": loss.detach().clone(), "expected": expected, "logits": logits, "mask": mask,
             # no optimizer step since this batch was generated (generation is aligned to steps)
-            "on_policy": self._step % a.steps_per_generation < a.gradient_accumulation_steps,
+            "on_policy": self._step % (a.steps_per_generation * a.num_iterations) < a.gradient_accumulation_steps,
             "inputs": {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
-            "kept": ref.mask, "metrics": ref.metrics, "entropy": ref.stats["entropy"],
+            "kept": ref.mask, "metrics": ref.metrics, "entropy": ref.stats["entropy"], "kl": kl,
         })
         return loss
 

@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                       reason="needs the optional 'triton' package (pip install 'pdmask[triton]')"),
+                       reason="needs the optional 'triton' package (pip install -e '.[triton]')"),
 ]
 
 

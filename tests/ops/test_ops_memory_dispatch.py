@@ -114,7 +114,7 @@ def test_bad_arguments_name_the_argument():
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     if not ops.triton_available():
-        with pytest.raises(ValueError, match="pdmask\\[triton\\]"):
+        with pytest.raises(ValueError, match=r"pip install -e '\.\[triton\]'"):
             ops.row_stats(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), impl="triton")
         return
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

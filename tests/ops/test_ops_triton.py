@@ -42,7 +42,7 @@ def _interpreter_ready() -> bool:
 
 
 pytestmark = [
-    pytest.mark.skipif(not HAS_TRITON, reason="needs the optional 'triton' package (pip install 'pdmask[triton]')"),
+    pytest.mark.skipif(not HAS_TRITON, reason="needs the optional 'triton' package (pip install -e '.[triton]')"),
     pytest.mark.skipif(not _interpreter_ready(), reason=(
         "triton was imported earlier in this process without TRITON_INTERPRET=1, so its interpreter "
         "cannot run here; run `TRITON_INTERPRET=1 pytest tests/ops`")),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs the optional 'triton' package (pip install 'pdmask[triton]')")
+                                reason="needs the optional 'triton' package (pip install -e '.[triton]')")
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -155,7 +155,8 @@ def test_missing_gguf_reader_names_the_extra(monkeypatch):
     from pdmask.engine.registry import MissingExtra
 
     # accelerate may be absent too (CI's main environment has neither): the line names whatever is missing
-    with pytest.raises(MissingExtra, match=r"needs gguf( and accelerate)?; install them with `pip install 'pdmask\[real\]'`"):
+    with pytest.raises(MissingExtra, match=r"needs gguf( and accelerate)?; install them with "
+                                           r"`pip install -e '\.\[real\]'` from a pdmask checkout"):
         nm._check_gguf_deps()
 
 
@@ -163,7 +164,8 @@ def test_missing_both_readers_names_both(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None)
     from pdmask.engine.registry import MissingExtra
 
-    with pytest.raises(MissingExtra, match=r"needs gguf and accelerate; install them with `pip install 'pdmask\[real\]'`"):
+    with pytest.raises(MissingExtra, match=r"needs gguf and accelerate; install them with "
+                                           r"`pip install -e '\.\[real\]'` from a pdmask checkout"):
         nm._check_gguf_deps()
 
 

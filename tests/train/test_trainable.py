@@ -347,7 +347,7 @@ def test_missing_peft_is_one_line_naming_the_extra(monkeypatch, tmp_path, smoke_
     from pdmask.train.preflight import check_environment
 
     with pytest.raises(MissingExtra, match=r"^lora_rank: LoRA needs peft, the 'lora' extra: "
-                                           r"pip install 'pdmask\[lora\]'") as e:
+                                           r"pip install -e '\.\[lora\]' from a pdmask checkout") as e:
         check_environment(cfg_of(*LORA))
     assert e.value.extra == "lora"
     pytest.importorskip("typer")

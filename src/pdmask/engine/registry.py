@@ -27,7 +27,7 @@ ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 class MissingExtra(ImportError):
     """An optional extra is not installed (or does not import): the message names it and
-    how to install it, e.g. ``pip install 'pdmask[vllm]'``. A user error, not a bug: the
+    how to install it, e.g. ``pip install -e '.[vllm]'`` (from a checkout: pdmask is on no package index). A user error, not a bug: the
     CLI prints it as one line (:data:`pdmask.cli.USER_ERRORS`)."""
 
     def __init__(self, extra: str, message: str):

@@ -121,7 +121,7 @@ def _backend(name: str, logits: torch.Tensor):
         return _torch
     if not triton_available():
         where = "" if logits.is_cuda else " and CUDA logits (on CPU use impl='torch' or 'auto')"
-        raise ValueError(f"impl: 'triton' needs the optional triton package (pip install 'pdmask[triton]'){where}")
+        raise ValueError(f"impl: 'triton' needs the optional triton package (pip install -e '.[triton]' from a pdmask checkout){where}")
     check_device(logits)  # before importing triton: CPU tensors need the interpreter
     from . import _kernel  # lazy: imports triton
 

@@ -129,7 +129,7 @@ def _check_gguf_deps() -> None:
         from ..engine.registry import MissingExtra
 
         raise MissingExtra("real", f"model_path: reading a GGUF model needs {' and '.join(missing)}; "
-                                   "install them with `pip install 'pdmask[real]'`")
+                                   "install them with `pip install -e '.[real]'` from a pdmask checkout")
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

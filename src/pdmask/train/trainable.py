@@ -54,7 +54,7 @@ def import_peft():
     try:
         import peft
     except ImportError as e:
-        raise MissingExtra("lora", f"lora_rank: LoRA needs peft, the 'lora' extra: pip install 'pdmask[lora]' "
+        raise MissingExtra("lora", f"lora_rank: LoRA needs peft, the 'lora' extra: pip install -e '.[lora]' from a pdmask checkout "
                                    f"({e})") from None
     return peft
 

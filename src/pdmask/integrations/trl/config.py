@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
-from ... import MODES
 from . import options
 from .options import IS_CAP_DEFAULT, LOSS_TYPES  # noqa: F401  (LOSS_TYPES: re-export)
 
@@ -42,10 +40,9 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
 
     mask_mode: str = field(
         default="pdm-topk-kl",
-        metadata={"help": "Trust-region mask mode (pdmask.MODES): grpo, none, dppo-binary-tv, dppo-binary-kl, "
-                          "dppo-topk-kl, dppo-topk-tv, pdm-topk-kl, pdm-topk-tv, drpo, spo, pdm-smooth-topk-kl, "
-                          "pdm-smooth-topk-tv. The *-full-* modes need the generator's full logits and are not "
-                          "available here."})
+        metadata={"help": "Trust-region mask mode: a mode of pdmask.MODES whose inputs the trainer captures "
+                          "(pdmask.integrations.trl.options.accepted_modes(); the *-full-* modes need the "
+                          "generator's full logits and the batch modes the model-aware direction: refused)."})
     mask_estimator: str = field(
         default="exact",
         metadata={"help": "Top-K tail estimator of the predictive direction: exact, aggregated (the paper), "
@@ -53,7 +50,8 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_delta_low: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with negative advantage, the scale delta of drpo, "
-                          "spo and pdm-smooth-* (default: the mode's, 0.05 for KL, 0.15 for TV)."})
+                          "spo and pdm-smooth-* (default: the mode's MaskMode.default_delta, 0.05 for KL, 0.15 "
+                          "for TV)."})
     mask_delta_high: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with positive advantage (default: the mode's)."})
@@ -64,22 +62,24 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                           "sampled token's log-prob) for grpo, none, dppo-binary-*. Must not exceed the "
                           "vocabulary size (checked when the trainer is built)."})
     is_cap: float | None = field(
-        default=IS_CAP_DEFAULT,
-        metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes; None: 5) and upper bound of is_mask; "
-                          "the dual-clip constant in grpo mode unless delta is set. inf disables it."})
+        default=None,
+        metadata={"help": "IS-weight cap C in min(pi/mu, C) (dppo/pdm modes) and upper bound of is_mask; "
+                          f"the dual-clip constant in grpo mode unless delta is set. inf disables it. None (not "
+                          f"set): {IS_CAP_DEFAULT}, TRL's vllm_importance_sampling_clip_max with its correction on."})
     is_level: str | None = field(
-        default="token",
-        metadata={"help": "IS weight of the dppo/pdm modes (pdmask.corrections): 'token' (min(pi/mu, is_cap), the "
-                          "default), 'sequence' (the product over the sequence), None (no weight). With use_vllm and "
-                          "vllm_importance_sampling_correction=True, TRL's vllm_importance_sampling_mode sets it "
-                          "instead."})
+        default="auto",
+        metadata={"help": "IS weight of the dppo/pdm modes (pdmask.corrections): 'token' (min(pi/mu, is_cap)), "
+                          "'sequence' (the product over the sequence), None (no weight). 'auto' (not set): 'token', "
+                          "or TRL's vllm_importance_sampling_mode with use_vllm and "
+                          "vllm_importance_sampling_correction=True."})
     is_floor: float | None = field(
         default=None,
         metadata={"help": "Lower bound of the IS weight (truncate, or mask with is_mask). None: no lower bound."})
-    is_mask: bool = field(
-        default=False,
+    is_mask: bool | None = field(
+        default=None,
         metadata={"help": "Mask tokens (is_level='token': IcePop) or sequences whose weight lies outside "
-                          "[is_floor, is_cap] instead of truncating the weight (MIS)."})
+                          "[is_floor, is_cap] instead of truncating the weight (MIS). None (not set): False, or "
+                          "TRL's *_mask modes with its vLLM correction on."})
     is_batch_normalize: bool = field(
         default=False,
         metadata={"help": "Divide the IS weights by their mean over the micro-batch's response tokens (token level) "
@@ -111,15 +111,9 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
         super().__post_init__()
         if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
             self.is_level = None  # from the command line
-        options.check(self)  # the TRL options first (a refused one explains the rest)
+        options.check(self)  # mask_mode and the TRL options first (a refused one explains the rest)
         spec = options.loss_spec(self)  # every mask, correction and sampling setting, checked once
         mode = spec.mask_mode
-        if "full" in mode.needs:
-            raise ValueError(f"mask_mode: {self.mask_mode!r} needs the generator's full logits, which neither vLLM "
-                             "nor generate() report; use a *-topk-* mode")
-        if "batch" in mode.needs:
-            raise ValueError(f"mask_mode: {self.mask_mode!r} needs the model-aware batch direction "
-                             "(pdmask.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
         if self.rollout_top_k is None:
             self.rollout_top_k = DEFAULT_TOP_K if "topk" in mode.needs else 0
         if isinstance(self.rollout_top_k, bool) or not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 0:

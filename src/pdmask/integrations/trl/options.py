@@ -14,6 +14,10 @@ pdmask's ``is_*`` / ``rejection*`` fields of the config otherwise (:func:`correc
 TRL's ``top_k`` / ``top_p`` / ``min_p`` become the loss's truncated-sampling arguments
 (:func:`sampling`).
 
+The mask modes the trainer runs are computed from the registry (:func:`accepted_modes`: a
+mode whose inputs the trainer supplies), and pdmask's IS fields default to "not set"
+sentinels (:data:`UNSET`), so a both-set refusal never compares a value with the default.
+
 Imports TRL only to read its defaults (:func:`trl_default`).
 """
 
@@ -26,7 +30,7 @@ from functools import cache
 from typing import Any, Callable
 
 from ... import MODES
-from ...corrections import Corrections
+from ...corrections import DEFAULT_IS_CAP, Corrections
 
 #: TRL ``loss_type`` values whose aggregation the trainer reproduces.
 LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
@@ -63,9 +67,57 @@ def _ratio_weighted(args) -> bool:
     return args.mask_mode in MODES and MODES[args.mask_mode].surrogate != "dppo"
 
 
-#: ``PDMaskGRPOConfig.is_cap``'s default: None, pdmask's cap 5 (``pdmask.corrections.DEFAULT_IS_CAP``),
-#: not given (a given cap the loss would ignore is refused).
-IS_CAP_DEFAULT = Corrections.is_cap
+
+# ------------------------------------------------------------------ mask modes
+#: the inputs a mode may need (``MaskMode.needs``) that the trainer supplies: the top-K
+#: capture; why it cannot supply the others
+SUPPLIED_NEEDS = frozenset({"topk"})
+UNSUPPLIED_NEEDS = {
+    "full": "needs the generator's full logits, which neither vLLM nor generate() report; use a *-topk-* mode",
+    "batch": "needs the model-aware batch direction (pdmask.batchmask), which the TRL trainer does not compute; "
+             "use a *-topk-* mode",
+}
+
+
+def mode_refusal(mode) -> str | None:
+    """Why the trainer cannot run ``mode`` (a :class:`pdmask.MaskMode`), or None: a mode runs iff
+    every input it needs is one the trainer supplies (:data:`SUPPLIED_NEEDS`)."""
+    for need in sorted(set(mode.needs) - SUPPLIED_NEEDS):
+        return UNSUPPLIED_NEEDS.get(need, f"needs {need!r} inputs, which the TRL trainer does not supply")
+    return None
+
+
+def accepted_modes() -> list[str]:
+    """The registered modes (:data:`pdmask.MODES`, in registry order) the trainer accepts: computed
+    from the registry, so a mode registered later is listed when it can run."""
+    return [name for name, mode in MODES.items() if mode_refusal(mode) is None]
+
+
+def check_mode(args) -> None:
+    """``mask_mode`` names a registered mode the trainer can run; the error lists :func:`accepted_modes`."""
+    name = args.mask_mode
+    mode = MODES.get(name) if isinstance(name, str) else None
+    if mode is None:
+        raise ValueError(f"mask_mode: unknown mode {name!r}; valid modes are: {', '.join(accepted_modes())}")
+    why = mode_refusal(mode)
+    if why:
+        raise ValueError(f"mask_mode: {name!r} {why}")
+
+
+# ------------------------------------------------------------------ "not set" sentinels
+#: pdmask's default IS cap, used when ``is_cap`` is not set.
+IS_CAP_DEFAULT = DEFAULT_IS_CAP
+#: pdmask's IS-weight fields of the config whose default means "not set" (the sentinel), and what
+#: an unset field becomes: TRL's vLLM correction when that is on, else the core's default. A
+#: both-set refusal tests the sentinel, never a comparison with the default (``is_cap=5.0``
+#: written out is set). ``is_floor``: None is both "not set" and "no lower bound".
+UNSET = {"is_level": "auto", "is_cap": None, "is_floor": None, "is_mask": None}
+IS_DEFAULTS = {name: getattr(Corrections, name) for name in UNSET}
+
+
+def is_set(args, name: str) -> bool:
+    """The user gave ``name`` (one of :data:`UNSET`) a value."""
+    return getattr(args, name) != UNSET[name]
 
 
 def _refuse_delta(a) -> str | None:
@@ -73,7 +125,7 @@ def _refuse_delta(a) -> str | None:
         return None
     if not _grpo(a):
         return "two-sided clipping applies to mask_mode='grpo' only; the dppo/pdm modes cap the IS weight with is_cap"
-    if not a.is_mask and a.is_cap not in (IS_CAP_DEFAULT, a.delta):
+    if is_set(a, "is_cap") and not a.is_mask and a.is_cap != a.delta:
         return f"and is_cap={a.is_cap} both set the grpo dual clip; set one of them"
     eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
     if not a.delta > 1 + eps_high:
@@ -99,8 +151,6 @@ def _when(cond: Callable[[Any], bool], reason: str) -> Callable[[Any], str | Non
 #: TRL's vllm_importance_sampling_mode -> (is_level, is_mask).
 VLLM_IS_MODES = {"token_truncate": ("token", False), "token_mask": ("token", True),
                  "sequence_truncate": ("sequence", False), "sequence_mask": ("sequence", True)}
-#: pdmask's own IS-weight fields, which TRL's vLLM correction sets when it is on (with their defaults).
-IS_FIELDS = {name: getattr(Corrections, name) for name in ("is_level", "is_floor", "is_mask", "is_cap")}
 
 
 def vllm_is_on(a) -> bool:
@@ -116,10 +166,10 @@ def _refuse_vllm_is(a) -> str | None:
                 "weight would count it twice); set vllm_importance_sampling_correction=False")
     if a.vllm_importance_sampling_mode not in VLLM_IS_MODES:
         return None  # TRL's own config refuses an unknown mode first
-    set_ = [n for n, d in IS_FIELDS.items() if getattr(a, n) != d]
+    set_ = [n for n in UNSET if is_set(a, n)]
     if set_:
         return (f"and {', '.join(set_)} both set the IS weight; set vllm_importance_sampling_correction=False to "
-                f"use pdmask's {', '.join(set_)}, or leave {'them' if len(set_) > 1 else 'it'} at the default")
+                f"use pdmask's {', '.join(set_)}, or leave {'them' if len(set_) > 1 else 'it'} unset")
     return None
 
 
@@ -130,6 +180,29 @@ def _refuse_unless_vllm_is(name: str) -> Callable[[Any], str | None]:
         return ("has no effect unless use_vllm=True and vllm_importance_sampling_correction=True (as in TRL); "
                 "leave it at TRL's default, or set pdmask's is_level / is_mask / is_floor / is_cap")
     return refuse
+
+
+def _refuse_sequence_ratio(a) -> str | None:
+    level = a.importance_sampling_level
+    if level == "token":
+        return None
+    if level != "sequence":
+        return f"unknown value {level!r}; valid values are: token, sequence"
+    if _grpo(a):
+        return ("'sequence' (GSPO) clips one length-normalised ratio per sequence, exp(mean_t log(pi_t / mu_t)); "
+                "mask_mode='grpo' clips each token's ratio pi_t / mu_t and the core has no sequence-ratio "
+                "surrogate; set importance_sampling_level='token'")
+    return (f"'sequence' (GSPO) replaces each token's ratio by one per sequence, but mask_mode={a.mask_mode!r} "
+            "masks and weights each token by its own divergence and ratio; for a sequence-level IS weight set "
+            "is_level='sequence' (the product over the sequence, capped at is_cap) and "
+            "importance_sampling_level='token'")
+
+
+def _refuse_beta(a) -> str | None:
+    if a.beta == 0.0 or not sampling(a).truncated:
+        return None
+    return ("the KL term to the reference model is TRL's, on the full softmax(logits / T), but with top_k / top_p / "
+            "min_p the loss's log pi is renormalised over the kept set; set beta=0.0 or sample without truncation")
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -150,13 +223,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("delta", "honoured in mask_mode='grpo', refused otherwise",
            "grpo: TRL's two-sided clip caps the ratio of A < 0 tokens at delta -- the same objective as "
            "pdmask's dual clip, so dual_clip = delta", _refuse_delta),
-    Option("importance_sampling_level", "honoured for 'token', refused for 'sequence'",
-           "the mask, the ratio and the IS weight are per token",
-           _when(lambda a: a.importance_sampling_level != "token",
-                 "sequence-level ratios (GSPO) are not supported: the trust-region mask is per token; "
-                 "set importance_sampling_level='token'")),
-    Option("beta", "refused unless 0", "no KL-to-reference term",
-           _when(lambda a: a.beta != 0.0, "the KL-to-reference term is not supported; set beta=0.0")),
+    Option("importance_sampling_level", "honoured for 'token', refused for 'sequence' (GSPO)",
+           "the mask, the ratio and the IS weight are per token. 'sequence' is refused in every mode: grpo "
+           "clips each token's ratio pi/mu and the core has no sequence-ratio surrogate; the dppo / pdm / none "
+           "modes decide per token (a sequence IS weight there is is_level='sequence')", _refuse_sequence_ratio),
+    Option("beta", "honoured (refused with top_k / top_p / min_p truncation)",
+           "TRL's k3 KL term to the reference model, added as TRL adds it: beta x (exp(ref - logp) - (ref - logp) "
+           "- 1) on every response token, masked ones included, aggregated by loss_type; logged as `kl`. The "
+           "reference log-probs are TRL's forward of its ref_model, with position ids as the loss counts them",
+           _refuse_beta),
+    Option("use_bias_correction_kl", "honoured (with beta != 0)",
+           "the k3 term times the ratio pi/mu (TRL: pi/pi_old, the same on the first pass over a batch), "
+           "gradient included, as TRL multiplies it"),
     Option("entropy_coef", "refused unless 0", "no entropy bonus",
            _when(lambda a: a.entropy_coef != 0.0, "the entropy bonus is not supported; set entropy_coef=0.0")),
     Option("use_adaptive_entropy", "refused unless False", "no entropy bonus",
@@ -234,8 +312,8 @@ NEUTRAL: dict[str, str] = {
     **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), "used by loss_type='sapo' only (refused)"),
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     "used by loss_type='vespo' only (refused)"),
-    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "use_bias_correction_kl"),
-                    "used with beta != 0 only (refused)"),
+    **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+                    "how TRL updates its reference model (beta != 0): TRL's own callback, unchanged"),
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
                     "used with use_adaptive_entropy only (refused)"),
     **dict.fromkeys(("log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
@@ -246,7 +324,9 @@ NEUTRAL: dict[str, str] = {
 
 
 def check(args) -> None:
-    """Refuse, with a one-line ``ValueError`` naming the option, every TRL option the trainer cannot honour."""
+    """Refuse, with a one-line ``ValueError`` naming the option, every TRL option the trainer cannot honour
+    (``mask_mode`` first: the other decisions read it)."""
+    check_mode(args)
     for opt in OPTIONS:
         why = opt.refuse(args) if opt.refuse is not None else None
         if why:
@@ -265,17 +345,19 @@ def check_mask_options(args) -> None:
 
 def _is_fields(args) -> dict[str, Any]:
     """The IS weight: TRL's vLLM correction when it is on (:data:`VLLM_IS_MODES`), else pdmask's
-    ``is_*`` fields (``delta`` is the dual clip in grpo mode, :func:`loss_spec`; an ``is_cap``
-    equal to it without ``is_mask`` says the same and is dropped). TRL's bounds: ``clip_max``
-    None = no upper bound (``is_cap=inf``), ``clip_min`` None or 0 = no lower bound."""
+    ``is_*`` fields, an unset one (:data:`UNSET`) at the core's default (``delta`` is the dual
+    clip in grpo mode, :func:`loss_spec`: there an ``is_cap`` equal to it without ``is_mask`` says
+    the same and is dropped). TRL's bounds: ``clip_max`` None = no upper bound (``is_cap=inf``),
+    ``clip_min`` None or 0 = no lower bound."""
     if vllm_is_on(args) and not _ratio_weighted(args):
         level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
         hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
         return {"is_level": level, "is_mask": masked, "is_cap": math.inf if hi is None else hi,
                 "is_floor": lo if lo else None}
-    if _grpo(args) and args.delta is not None and not args.is_mask:
-        return {"is_cap": None}
-    return {}
+    out = {name: getattr(args, name) if is_set(args, name) else IS_DEFAULTS[name] for name in UNSET}
+    if _grpo(args) and args.delta is not None and not out["is_mask"]:
+        out["is_cap"] = None
+    return out
 
 
 def corrections(args):
@@ -334,5 +416,6 @@ def loss_spec(args):
         raise
 
 
-__all__ = ["IS_CAP_DEFAULT", "IS_FIELDS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "VLLM_IS_MODES", "check",
-           "check_mask_options", "corrections", "loss_spec", "sampling", "trl_default", "vllm_is_on"]
+__all__ = ["IS_CAP_DEFAULT", "IS_DEFAULTS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "SUPPLIED_NEEDS", "UNSET",
+           "VLLM_IS_MODES", "accepted_modes", "check", "check_mask_options", "check_mode", "corrections", "is_set",
+           "loss_spec", "mode_refusal", "sampling", "trl_default", "vllm_is_on"]

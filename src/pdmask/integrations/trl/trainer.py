@@ -13,7 +13,13 @@ Three private TRL 1.16 methods are overridden, each as thinly as possible:
   ``shuffle_sequence_dict`` / ``split_tensor_dict`` permute and slice every tensor along
   dim 0, so they stay aligned with the completions through shuffling and micro-batching.
 - ``_compute_loss``: a forward that returns logits, then :func:`pdmask.policy_loss`,
-  aggregated as TRL's ``loss_type`` would, and its metrics logged under ``pdmask/``.
+  aggregated as TRL's ``loss_type`` would, plus TRL's KL term to the reference model when
+  ``beta != 0``, and the metrics logged under ``pdmask/``.
+
+Two more, smaller: ``_get_per_token_logps_and_entropies`` (TRL's scoring forward, used
+here for the reference model's log-probs) gets position ids counted as the loss counts
+them, and TRL's old-log-prob forward, which nothing here reads, is skipped
+(:meth:`PDMaskGRPOTrainer._without_old_logps`).
 
 Why a logits forward: TRL 1.16 scores completions with a fused LM head
 (``add_fused_lm_head``) that returns ``log pi_k`` and the entropy without ever building
@@ -30,10 +36,12 @@ runs inside the model's (wrapped) forward on the backbone's last hidden states a
 from __future__ import annotations
 
 from contextlib import contextmanager
+from fractions import Fraction
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
+from ...aggregation import aggregate
 from ...loss import Aggregation
 from ...rollout import Rollout
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
@@ -129,9 +137,46 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         sampled = [r.sampled_logprob[b, : len(c)].tolist() for b, c in enumerate(completion_ids)]
         return completion_ids, sampled
 
+    #: skip TRL's old-log-prob forward (:meth:`_without_old_logps`); False only to measure it
+    #: side by side (examples/trl/bench_old_logps.py)
+    _pdmask_skip_old_logps = True
+
+    @contextmanager
+    def _without_old_logps(self):
+        """TRL's ``_generate_and_score_completions`` runs one no-grad forward over the whole
+        generation batch for ``old_per_token_logps`` when ``gradient_accumulation_steps %
+        (steps_per_generation * num_iterations) != 0`` (e.g. ``num_iterations > 1``) or when its
+        vLLM IS correction is on. Nothing here reads them: the ratio's anchor is the rollout's
+        mu, and the vLLM correction is pdmask's (:mod:`.options`, from ``args``). For the
+        duration of the call both conditions are made false: ``num_iterations`` becomes the
+        fraction GA / steps_per_generation (so the modulo is exactly 0; the attribute is read
+        nowhere else in that method) and TRL's ``vllm_importance_sampling_correction``
+        attribute False (TRL then skips its own IS weights and their ``sampling/*`` metrics,
+        which need the old log-probs). Both are restored after the call."""
+        if not self._pdmask_skip_old_logps:
+            yield
+            return
+        saved = self.num_iterations, self.vllm_importance_sampling_correction
+        self.num_iterations = Fraction(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+        self.vllm_importance_sampling_correction = False
+        try:
+            yield
+        finally:
+            self.num_iterations, self.vllm_importance_sampling_correction = saved
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        """TRL's scoring forward (here: the reference model's log-probs when ``beta != 0``) with
+        position ids counted from each row's first real token, as generate(), vLLM and the loss
+        count them (:meth:`_forward_inputs`). TRL passes none, so on a left-padded row its
+        reference log-probs would differ from the loss's pi at the same weights and the KL
+        term would not be 0 where the two models agree."""
+        return super()._get_per_token_logps_and_entropies(_WithPositions(model), input_ids, attention_mask,
+                                                          *args, **kwargs)
+
     def _generate_and_score_completions(self, inputs):
         self._pdmask_rollout = None
-        out = super()._generate_and_score_completions(inputs)
+        with self._without_old_logps():
+            out = super()._generate_and_score_completions(inputs)
         r = self._pdmask_rollout
         if r is None:
             raise RuntimeError("pdmask: no rollout was captured for this batch (custom generation path?)")
@@ -222,12 +267,37 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             res = loss_fn(logits, rollout, adv, aggregation=agg)
         self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
         loss = res.loss / divisor
+        if self.beta != 0.0:
+            loss = loss + self._kl_term(mode, res.stats["logp"], inputs, mask, agg) / divisor
         if aux_loss is not None:  # as TRL adds the MoE router loss: coef x aux / GA
             loss = loss + self.router_aux_loss_coef * aux_loss / (
                 self.current_gradient_accumulation_steps if mode == "train" else 1.0)
             aux = self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item()
             self._metrics[mode]["aux_loss"].append(aux)
         return loss
+
+    def _kl_term(self, mode: str, logp: torch.Tensor, inputs, mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+        """TRL's KL penalty to the reference model, as TRL 1.16 adds it (``_compute_loss``)::
+
+            kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3, per token)
+            kl_t = kl_t * exp(logp_t - log mu_t)                        (use_bias_correction_kl)
+            loss += aggregate(beta * kl, response mask) / divisor       (as the policy term)
+
+        ``logp`` is the loss's ``log pi`` of the sampled token (``softmax(logits / T)``, with its
+        gradient; the config refuses ``beta`` with truncated sampling, where it would be
+        renormalised). Every response token counts, masked ones included, as in TRL (its KL is
+        added after the policy term's masks). The bias correction's ratio is anchored on mu,
+        like every ratio here (TRL's on ``old_per_token_logps``, the same on the first pass
+        over a batch). Logged as TRL's ``kl`` (token mean over all processes)."""
+        ref = inputs["ref_per_token_logps"].to(logp.dtype)
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+        if self.args.use_bias_correction_kl:
+            kl = kl * torch.exp(logp - inputs["sampled_logprob"].to(logp.dtype))
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+        totals = self.accelerator.reduce(torch.stack([kl.detach().sum(), mask.sum().to(kl.dtype)]), reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return aggregate(self.beta * kl, mask, agg, validate=False)
 
     def _log_pdmask_metrics(self, mode: str, res, mask: torch.Tensor, advantages: torch.Tensor) -> None:
         """pdmask's metrics under ``pdmask/`` (counts summed over processes, the rest averaged), and
@@ -265,6 +335,18 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         per_seq = self.accelerator.gather(per_seq.T.contiguous().to(self.accelerator.device))  # (world * B, 2)
         self._metrics[mode]["clip_ratio/low_min"].append(nanmin(per_seq[:, 0]))
         self._metrics[mode]["clip_ratio/high_max"].append(nanmax(per_seq[:, 1]))
+
+
+class _WithPositions:
+    """Calls ``model`` with position ids counted from each row's first real token (what
+    :meth:`PDMaskGRPOTrainer._forward_inputs` passes), for TRL's scoring forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *, input_ids, attention_mask, **kwargs):
+        kwargs.setdefault("position_ids", (attention_mask.long().cumsum(-1) - 1).clamp(min=0))
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 
 def nanmin(x: torch.Tensor) -> float:
