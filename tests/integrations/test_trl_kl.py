@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -80,12 +79,11 @@ class AgainstTRL(H.GRPOTrainer):
         return loss
 
 
-#: grpo: a large step (most second-pass tokens clipped, ratios above 5), with is_cap=inf:
-#: TRL's objective without a dual clip (TRL's delta=None; pdmask's grpo mode applies is_cap=5
-#: as its dual clip unless told otherwise, docs/trl.md "What differs from plain TRL"): the
-#: same values and gradients. none: the IS-weighted policy gradient, whose value is not TRL's
+#: grpo: a large step (most second-pass tokens clipped, ratios above 5), with the plugin's
+#: defaults: no dual clip unless delta or is_cap is set, as TRL's delta=None (docs/trl.md "What
+#: differs from plain TRL"): the same values and gradients. none: the IS-weighted policy gradient, whose value is not TRL's
 #: but whose gradient is while TRL clips no ratio: a small step.
-CASES = {"grpo": dict(is_cap=math.inf, learning_rate=1e-2), "none": dict(learning_rate=1e-5)}
+CASES = {"grpo": dict(learning_rate=1e-2), "none": dict(learning_rate=1e-5)}
 
 
 @pytest.mark.parametrize("mode", CASES)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 import trl_helpers as H  # noqa: E402
 
 import pdmask  # noqa: E402
+from pdmask.corrections import DEFAULT_IS_CAP  # noqa: E402
 from pdmask.integrations.trl import options  # noqa: E402
 
 
@@ -137,10 +138,19 @@ def test_unset_is_fields_take_the_cores_defaults(tmp_path):
     cfg = H.config(tmp_path)
     assert (cfg.is_cap, cfg.is_level, cfg.is_mask) == (None, "auto", None)
     c = options.corrections(cfg)
-    assert (c.is_cap, c.is_level, c.is_mask, c.is_floor) == (pdmask.Corrections.is_cap, "token", False, None)
-    assert options.corrections(H.config(tmp_path, mask_mode="grpo", delta=3.0)).is_cap == 3.0
-    assert options.corrections(H.config(tmp_path, mask_mode="grpo", delta=3.0, is_cap=3.0)).is_cap == 3.0
-    assert options.corrections(H.config(tmp_path, is_cap=5.0)).is_cap == 5.0
+    assert (c.is_cap, c.is_level, c.is_mask, c.is_floor) == (DEFAULT_IS_CAP, "token", False, None)
+    assert not c.is_cap_given
+    # grpo: TRL's delta is the dual clip; an is_cap equal to it says the same and is dropped
+    for kw in ({"delta": 3.0}, {"delta": 3.0, "is_cap": 3.0}):
+        spec = options.loss_spec(H.config(tmp_path, mask_mode="grpo", **kw))
+        assert spec.thresholds.dual_clip == 3.0 and not spec.corrections.is_cap_given
+    # grpo with neither delta nor is_cap: no dual clip, as plain TRL (whose delta defaults to None)
+    assert options.loss_spec(H.config(tmp_path, mask_mode="grpo")).thresholds.dual_clip == math.inf
+    # grpo with is_cap alone: is_cap is the dual clip (dual_clip None falls back to it)
+    spec = options.loss_spec(H.config(tmp_path, mask_mode="grpo", is_cap=4.0))
+    assert spec.thresholds.dual_clip is None and spec.corrections.is_cap == 4.0
+    c5 = options.corrections(H.config(tmp_path, is_cap=5.0))
+    assert c5.is_cap == 5.0 and c5.is_cap_given  # written out, it is set
 
 
 def _listed_modes(tmp_path) -> list[str]:

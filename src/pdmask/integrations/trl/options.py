@@ -404,7 +404,12 @@ def loss_spec(args):
 
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     try:
-        dual = args.delta if _grpo(args) else None
+        dual = None
+        if _grpo(args):
+            # TRL's delta is the dual clip; with neither delta nor an is_cap that would be it (no
+            # is_mask), none, as plain TRL, whose delta defaults to None (no two-sided clip)
+            dual = args.delta if args.delta is not None else (
+                None if is_set(args, "is_cap") and not args.is_mask else math.inf)
         return PolicyLoss(mode=args.mask_mode, estimator=args.mask_estimator,
                           thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high, dual),
                           corrections=corrections(args), sampling=sampling(args),
