@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="needs the trl extra: pip install 'pdmask[trl]' (run .ci/trl.sh)")
+pytest.importorskip("trl", reason="needs the trl extra: pip install -e '.[trl]' (run .ci/trl.sh)")
 sys.path.insert(0, str(Path(__file__).parent))
 import trl_helpers as H  # noqa: E402
 from trl import GRPOTrainer as TRLGRPOTrainer  # noqa: E402
