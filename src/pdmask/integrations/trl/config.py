@@ -117,7 +117,7 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
         if "full" in mode.needs:
             raise ValueError(f"mask_mode: {self.mask_mode!r} needs the generator's full logits, which neither vLLM "
                              "nor generate() report; use a *-topk-* mode")
-        if "batch" in mode.needs:
+        if mode.extras:
             raise ValueError(f"mask_mode: {self.mask_mode!r} needs the model-aware batch direction "
                              "(pdmask.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
         if self.rollout_top_k is None:

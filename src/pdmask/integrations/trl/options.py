@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any, Callable
 
 from ... import MODES
+from ..._validate import SpecError
 from ...corrections import Corrections
 
 #: TRL ``loss_type`` values whose aggregation the trainer reproduces.
@@ -327,10 +328,9 @@ def loss_spec(args):
                           thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high, dual),
                           corrections=corrections(args), sampling=sampling(args),
                           compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate)
-    except ValueError as e:
-        name, _, rest = str(e).partition(":")
-        if name in _FIELD_OF:
-            raise ValueError(f"{_FIELD_OF[name]}:{rest}") from None
+    except SpecError as e:  # the core names its field; name the config's
+        if e.field in _FIELD_OF:
+            raise e.renamed(_FIELD_OF[e.field]) from None
         raise
 
 
