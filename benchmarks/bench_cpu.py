@@ -9,7 +9,7 @@ Rows (forward unless marked):
   logp-only        torch.logsumexp(x.float()) + gather: log pi_k only (the cost to beat)
   logp-only-chunk  the same in the fused path's row chunks (a stricter floor: no (N, V) temporary)
   naive-fp32       every statistic from a float32 log_softmax of the whole tensor
-  reference        pdmask.ops._reference.reduce_rows (the core's plain chunked reference)
+  reference        tests/ops/reference.py's reduce_rows (the tests' plain chunked oracle)
   fused            pdmask.ops.row_stats(impl="torch"): lse, logp, sum_p2, entropy, top-K log-probs
   *+bwd            forward and the backward of sum(g * log pi_k)
 
@@ -35,21 +35,21 @@ from _common import (  # noqa: E402
 )
 
 from pdmask import ops  # noqa: E402
-from pdmask.ops import _torch  # noqa: E402
-from pdmask.ops._reference import SampledLogprob, reduce_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ops.reference import SampledLogprob, reduce_rows  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def methods(x, k, tk, with_bwd: bool):
-    rows = _torch.rows_per_chunk(x.shape[1], None)
+    rows = ops.rows_per_chunk(x.shape[1])
     g = torch.randn(x.shape[0])
     fns = {
         "logp-only": lambda: logp_only(x, k),
         "logp-only-chunk": lambda: logp_only_chunked(x, k, rows),
         "naive-fp32": lambda: naive_all(x, k, tk),
         "reference": lambda: reduce_rows(x, k, tk),
-        "fused": lambda: ops.row_stats(x, k, tk, impl="torch", validate=False),
+        "fused": lambda: ops.row_stats(x, k, tk, compute=ops.Compute("torch"), validate=False),
     }
     if with_bwd:
         def logp_only_bwd():
@@ -58,7 +58,7 @@ def methods(x, k, tk, with_bwd: bool):
 
         def fused_bwd():
             xr = x.detach().requires_grad_()
-            (ops.row_stats(xr, k, tk, impl="torch", validate=False)["logp"] * g).sum().backward()
+            (ops.row_stats(xr, k, tk, compute=ops.Compute("torch"), validate=False).logp * g).sum().backward()
 
         def reference_bwd():
             xr = x.detach().requires_grad_()

@@ -8,7 +8,7 @@ by side in one run, after a correctness check of every shape against the referen
 Rows (bf16 logits, K = 20):
   floor        torch.amax(logits, -1): one bf16 read of the logits
   naive-fp32   every statistic from a float32 log_softmax of the whole tensor
-  reference    pdmask.ops._reference.reduce_rows (plain chunked torch, the core's oracle)
+  reference    tests/ops/reference.py's reduce_rows (plain chunked torch, the tests' oracle)
   torch-fused  pdmask.ops.row_stats(impl="torch") (the CPU path, run on the GPU)
   triton       pdmask.ops.row_stats(impl="triton"): lse, logp, sum_p2, entropy, top-K log-probs
   *+bwd        forward and the backward of sum(g * log pi_k) (logp-only+bwd: plain
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Sink, logp_only, make_inputs, naive_all  # noqa: E402
 
 from pdmask import ops  # noqa: E402
-from pdmask.ops._reference import SampledLogprob, reduce_rows  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ops.reference import SampledLogprob, reduce_rows  # noqa: E402
 
 KEYS = ("lse", "logp", "sum_p2", "entropy", "topk_logp")
 
@@ -81,16 +82,16 @@ def peak_extra(fn) -> float:
 def check(x, k, tk, sink, T, V) -> bool:
     """Triton vs reference on the first rows (the reference in float32 is exact enough)."""
     n = min(x.shape[0], 512)
-    got = ops.row_stats(x[:n], k[:n], tk[:n], impl="triton")
+    got = ops.row_stats(x[:n], k[:n], tk[:n], compute=ops.Compute("triton"))
     ref = reduce_rows(x[:n], k[:n], tk[:n])
     # the tests' tolerance: a few float32 ulps of the largest |z| plus 64 ulps relative
     eps = torch.finfo(torch.float32).eps
     tol = 64 * eps + 8 * eps * float(x[:n].float().abs().max())
-    errs = {key: float(((got[key] - ref[key]).abs() - 64 * eps * ref[key].abs()).max()) for key in KEYS}
+    errs = {key: float(((getattr(got, key) - ref[key]).abs() - 64 * eps * ref[key].abs()).max()) for key in KEYS}
     # gradient on the same rows
     g = torch.randn(n, device=x.device)
     xa = x[:n].clone().requires_grad_()
-    (ops.row_stats(xa, k[:n], impl="triton")["logp"] * g).sum().backward()
+    (ops.row_stats(xa, k[:n], compute=ops.Compute("triton")).logp * g).sum().backward()
     xb = x[:n].clone().requires_grad_()
     (SampledLogprob.apply(xb, k[:n], ref["lse"], 1.0, n) * g).sum().backward()
     gerr = float((xa.grad.float() - xb.grad.float()).abs().max())
@@ -108,8 +109,8 @@ def methods(x, k, tk, with_bwd: bool):
         "floor": lambda: torch.amax(x, -1),
         "naive-fp32": lambda: naive_all(x, k, tk),
         "reference": lambda: reduce_rows(x, k, tk),
-        "torch-fused": lambda: ops.row_stats(x, k, tk, impl="torch", validate=False),
-        "triton": lambda: ops.row_stats(x, k, tk, impl="triton", validate=False),
+        "torch-fused": lambda: ops.row_stats(x, k, tk, compute=ops.Compute("torch"), validate=False),
+        "triton": lambda: ops.row_stats(x, k, tk, compute=ops.Compute("triton"), validate=False),
     }
     if with_bwd:
         def logp_only_bwd():
@@ -125,7 +126,7 @@ def methods(x, k, tk, with_bwd: bool):
 
         def triton_bwd():
             xr = x.detach().requires_grad_()
-            (ops.row_stats(xr, k, tk, impl="triton", validate=False)["logp"] * g).sum().backward()
+            (ops.row_stats(xr, k, tk, compute=ops.Compute("triton"), validate=False).logp * g).sum().backward()
             return xr.grad
 
         fns.update({"logp-only+bwd": logp_only_bwd, "reference+bwd": reference_bwd, "triton+bwd": triton_bwd})
@@ -139,7 +140,8 @@ def tune(x, k, tk, sink, reps):
     for bv in (1024, 2048, 4096, 8192, 16384):
         for nw in (4, 8, 16, 32):
             try:
-                ms = cuda_time(lambda: _kernel.forward(x, k, tk, temperature=1.0, block_v=bv, num_warps=nw), reps)
+                ms = cuda_time(lambda: _kernel.forward(x, k, tk, temperature=1.0, block_v=bv, num_warps=nw,
+                                                        rescue=ops.tail_rescue_below(torch.float32, x.shape[1])), reps)
             except Exception as e:  # a config the compiler rejects (registers, shared memory)
                 sink.row(f"tune BLOCK_V={bv:5d} warps={nw:2d}  failed: {type(e).__name__}")
                 continue

@@ -6,7 +6,8 @@ Many numeric tests sweep one keyword at a time (``is_cap``, ``delta_low``,
 :class:`pdmask.Corrections`, :class:`pdmask.Sampling`, :class:`pdmask.Aggregation`,
 :class:`pdmask.Compute`) and calls the public function, so that every test goes through the
 public API while a sweep stays one line. A keyword this module does not know is passed on
-unchanged (``mode``, ``estimator``, ``batch_ddot``, ``validate``).
+unchanged (``mode``, ``estimator``, ``validate``); ``batch_ddot`` becomes the batch mask's
+per-token extra (``extras={"ddot_batch": ...}``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ SPEC_OF = {
     "sampling_min_p": ("sampling", "min_p"),
     **{k: ("aggregation", k) for k in ("loss_agg", "num_tokens", "num_seqs", "loss_scale_factor", "dp_size")},
     "impl": ("compute", "impl"), "chunk_size": ("compute", "chunk_rows"), "chunk_rows": ("compute", "chunk_rows"),
-    "chunk_cols": ("compute", "chunk_cols"),
 }
 SPEC_CLASS = {"thresholds": pdmask.Thresholds, "corrections": pdmask.Corrections, "sampling": pdmask.Sampling,
               "aggregation": pdmask.Aggregation, "compute": pdmask.Compute}
@@ -48,6 +48,11 @@ def specs(**kw) -> dict:
             out[k] = v
     for arg, fields in groups.items():
         out[arg] = SPEC_CLASS[arg](**fields)
+    if out.get("batch_ddot") is not None:  # the batch mask's direction: the per-token extra its modes read
+        import pdmask.batchmask
+
+        out["extras"] = {pdmask.batchmask.DDOT: out.pop("batch_ddot")}
+    out.pop("batch_ddot", None)
     return out
 
 
@@ -105,8 +110,10 @@ def mask_args(*args, **kw):
 
 
 def batch_mask(model, *args, **kw):
+    from pdmask.batchmask import batch_mask
+
     pos, rest = mask_args(*args, **kw)
-    return pdmask.batch_mask(model, *pos, **rest)
+    return batch_mask(model, *pos, **rest)
 
 
 def call_mask(bm, *args, **kw):

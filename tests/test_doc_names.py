@@ -48,5 +48,5 @@ def test_every_named_object_exists(page):
 
 def test_resolve_fails_on_a_wrong_name():
     with pytest.raises(AttributeError):
-        resolve("pdmask.directions.ratio_direction")
-    assert resolve("pdmask.directions.log_ratio") is importlib.import_module("pdmask.directions").log_ratio
+        resolve("pdmask.divergences.ratio_direction")
+    assert resolve("pdmask.divergences.log_ratio") is importlib.import_module("pdmask.divergences").log_ratio

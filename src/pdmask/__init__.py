@@ -6,49 +6,46 @@ Public API (pure tensor functions taking a few typed objects):
 - :class:`Rollout` — what the rollout engine reports (sampled ids, ``log mu_k``, top-K,
   response mask; optionally its kept set and full logits); every loss takes one.
 - :class:`Thresholds`, :class:`Corrections`, :class:`Sampling`, :class:`Aggregation`,
-  :class:`Compute` — the settings, each checked once when made.
-- :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics;
-  :class:`PolicyLoss` the same configured once (``PolicyLoss(mode=...)(logits, rollout, A)``).
-- :func:`policy_loss_from_hidden` — the same from hidden states and the LM-head weight,
-  without the (N, V) logits.
-- :func:`trust_region_mask` — the keep mask alone.
-- :func:`token_stats` — every per-token statistic (log pi_k, ratio, divergences,
-  direction derivatives) for analysis.
+  :class:`Compute` — the settings, each checked once when made; :class:`PolicyLoss` holds
+  one of each (errors are :class:`SpecError`, naming the field).
+- :func:`token_stats` — every per-token statistic (:class:`TokenStats`: log pi_k, ratio,
+  divergences, direction derivatives), the one contract between the reductions and the loss.
+- :func:`policy_loss` — masked, IS-weighted policy-gradient loss + detached metrics:
+  ``PolicyLoss(**spec)(logits, rollout, A)``, i.e. :func:`token_stats` then
+  :func:`loss_from_stats`; :func:`policy_loss_from_hidden` the same from hidden states and
+  the LM-head weight, without the (N, V) logits; :func:`trust_region_mask` the keep mask alone.
 - :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry, with the
   building blocks of a mode: regions :func:`divergence_region`, :func:`ratio_region`;
-  direction tests :func:`predictive`, :func:`ratio_sign` (was ``ratio_direction``).
-- :func:`aggregate` — verl's loss aggregation modes.
-- :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
-- :func:`batch_mask`, :class:`BatchMask` — the batch-aware mask (needs the model;
-  :mod:`pdmask.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
+  direction tests :func:`predictive`, :func:`ratio_sign`. The experimental batch-aware
+  modes register themselves when :mod:`pdmask.batchmask` is imported.
+- :func:`aggregate` — verl's loss aggregation modes; :func:`token_loss` — the surrogates.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
   ``corrections=`` :class:`Corrections`).
 """
 
-from .batchmask import BatchMask, batch_mask
+from ._validate import SpecError
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
-from .directions import ddot_autograd
 from .keys import ESTIMATORS, SUPPORTS, ddot_key
 from .loss import (
-    Aggregation, PolicyLoss, PolicyLossOutput, aggregate, policy_loss, policy_loss_from_hidden, token_loss,
+    Aggregation, PolicyLoss, PolicyLossOutput, aggregate, loss_from_stats, policy_loss, policy_loss_from_hidden,
     trust_region_mask,
 )
 from .masks import (
-    MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive,
-    ratio_region, ratio_sign, register_mode,
+    MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive, ratio_region, ratio_sign,
+    register_mode, token_loss,
 )
-from .ops import Compute, Sampling
+from .ops import Compute, Hidden, Sampling
 from .rollout import Rollout
-from .stats import token_stats
+from .stats import TokenStats, token_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "BatchMask", "Compute", "Corrections", "ESTIMATORS", "MODES", "MaskMode", "PolicyLoss",
-    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "Thresholds",
-    "aggregate", "batch_mask", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
-    "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign",
-    "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
+    "Aggregation", "Compute", "Corrections", "ESTIMATORS", "Hidden", "MODES", "MaskMode", "PolicyLoss",
+    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "SpecError", "Thresholds", "TokenStats",
+    "aggregate", "ddot_key", "divergence_region", "get_mode", "importance_weights",
+    "loss_from_stats", "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive",
+    "ratio_region", "ratio_sign", "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
 ]

@@ -1,17 +1,7 @@
-"""Input checking and sanitising for the public tensor functions.
-
-Every check names the argument it is about, so a user reading the error knows which
-tensor to look at. Checks are only made on response positions: padding may hold any
-junk (pad ids, zeros, -inf), and is replaced by harmless placeholders before any
-arithmetic so that it can never turn into a NaN that a multiplication by the mask
-would spread.
-
-All data-dependent checks on the inputs are gathered into one boolean vector
-(:class:`Checks`) and read back with a single host sync before the logits are read; the
-one data check that needs the reductions (every response row of ``logits`` and
-``rollout_logits`` has a finite log-sum-exp and no NaN) is a second sync after them. Pass
-``validate=False`` on a hot path whose inputs are known good: no sync, no check.
-Metadata checks (types, shapes, devices) cost nothing and always run.
+"""Input checking and sanitising; every error is a :class:`SpecError` naming its field or
+argument. Data checks (response positions only: padding is replaced by harmless placeholders)
+are gathered in one :class:`Checks`, read back with one host sync before the logits are read
+(``validate=False`` skips them); metadata checks always run.
 """
 
 from __future__ import annotations
@@ -33,26 +23,26 @@ MASS_TOL = 1e-3
 MATCH_ATOL = 1e-3
 MATCH_RTOL = 2.0 ** -7
 
-from .keys import ESTIMATORS  # noqa: F401  (re-exported for the validators)
 from .rollout import Rollout
-#: The aggregation modes (verl 0.9.1's ``agg_loss``) and the denominators of
-#: :class:`pdmask.Aggregation` each one reads, its count first (the count is required when
-#: ``dp_size > 1``); a denominator the mode does not read is refused, not ignored.
-LOSS_AGG_READS = {
-    "token-mean": ("num_tokens",),
-    "token-sum": (),
-    "seq-mean-token-mean": ("num_seqs",),
-    "seq-mean-token-sum": ("num_seqs",),
-    "seq-mean-token-sum-norm": ("num_seqs", "loss_scale_factor"),
-}
-LOSS_AGGS = tuple(LOSS_AGG_READS)
+
+
+class SpecError(ValueError):
+    """A refused setting or argument: ``field`` names it, ``problem`` says why; the message
+    is ``"field: problem"``. An adapter that knows the field by another name re-raises it
+    with :meth:`renamed` instead of parsing the message."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+    def renamed(self, field: str) -> "SpecError":
+        return SpecError(field, self.problem)
 
 
 @dataclass
 class Batch:
     """Flattened, sanitised inputs. N = number of (b, t) positions."""
 
-    logits: torch.Tensor  # (N, V), original dtype, a view where possible
     sampled_ids: torch.Tensor  # (N,) int64
     sampled_logprob: torch.Tensor  # (N,) float
     topk_ids: torch.Tensor | None  # (N, K) int64
@@ -62,12 +52,10 @@ class Batch:
     lead_shape: tuple  # (B, T) or whatever leading shape the caller used
     vocab_size: int
     kept_mask: torch.Tensor | None = None  # (N, V) bool: the engine's kept set (truncated sampling)
-    hidden: torch.Tensor | None = None  # (N, H): instead of logits (logits = hidden @ lm_head_weight.T)
-    lm_head_weight: torch.Tensor | None = None  # (V, H)
 
 
 def _fail(arg: str, msg: str) -> None:
-    raise ValueError(f"{arg}: {msg}")
+    raise SpecError(arg, msg)
 
 
 class Checks:
@@ -91,6 +79,7 @@ class Checks:
 
 
 def check_positive(name: str, value: float, allow_inf: bool = False) -> None:
+    """``value`` is None (not set) or a positive number (finite unless ``allow_inf``)."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
@@ -131,132 +120,76 @@ def check_chunk_size(name: str, value, what: str = "rows per chunk") -> None:
         _fail(name, f"must be a positive int ({what}), got {value!r}")
 
 
-def check_choice(name: str, value: str, valid) -> None:
+def check_choice(name: str, value, valid) -> None:
+    """``value`` is one of ``valid``: the one "valid values are" message of the library."""
     if value not in valid:
-        _fail(name, f"unknown value {value!r}; valid values are: {', '.join(valid)}")
+        _fail(name, f"unknown value {value!r}; valid values are: {', '.join(map(str, valid))}")
 
 
-def _check_tensor(name: str, t, float_: bool) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
-    if float_ and not t.is_floating_point():
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        _fail(name, f"expected True or False, got {value!r}")
+
+
+def _check_rollout_tensor(name: str, t: torch.Tensor, kind: str, shape: tuple, what: str, device) -> None:
+    """``rollout.<name>``: its dtype (``kind``: ids, float, bool), its shape, its device."""
+    if kind == "float" and not t.is_floating_point():
         _fail(name, f"must be a floating-point tensor, got dtype {t.dtype}")
-    if not float_ and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+    if kind == "ids" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         _fail(name, f"must be an integer tensor of token ids, got dtype {t.dtype}")
-
-
-def _check_shape(name: str, t: torch.Tensor, shape: tuple, what: str) -> None:
+    if kind == "bool" and t.dtype != torch.bool:
+        _fail(name, f"must be a bool tensor (the engine's kept set), got {t.dtype}")
+    if kind == "mask" and t.is_complex():
+        _fail(name, f"must be bool or 0/1 values, got dtype {t.dtype}")
     if tuple(t.shape) != tuple(shape):
         _fail(name, f"expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
+    check_device(name, t, device)
 
 
-def prepare(logits: torch.Tensor, rollout, validate: bool = True, checks: Checks | None = None) -> Batch:
-    """Check the rollout against the logits (shapes, dtypes, devices, values); flatten to
-    (N, ...) and sanitise padding.
-
-    The value checks go into ``checks`` when given (the caller adds its own and runs them:
-    one host sync for all), else they are run here; ``validate=False`` skips them."""
-    _check_tensor("logits", logits, float_=True)
-    if logits.dim() < 2:
-        _fail("logits", f"expected shape (B, T, V) or (N, V), got {tuple(logits.shape)}")
-    b = prepare_rows(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, rollout, validate, checks)
-    b.logits = logits.reshape(-1, logits.shape[-1])
-    return b
-
-
-def prepare_rows(lead: tuple, V: int, device, rollout, validate: bool = True, checks: Checks | None = None) -> Batch:
-    """:func:`prepare` for rows whose logits (leading shape ``lead``, vocabulary ``V``) are
-    not materialised; the returned batch has ``logits=None``. ``rollout`` is a
-    :class:`pdmask.Rollout` (its types and top-K pair already checked there)."""
+def prepare(lead: tuple, V: int, device, rollout, validate: bool = True, checks: Checks | None = None) -> Batch:
+    """Check the rollout against the rows of a source (leading shape ``lead``, vocabulary
+    ``V``, on ``device``): dtypes, shapes, devices, and (``validate``) values; flatten it to
+    (N, ...) and sanitise padding. The value checks go into ``checks`` when given (the caller
+    runs them with its own: one host sync for all), else they are run here."""
     if not isinstance(rollout, Rollout):
         _fail("rollout", f"must be a pdmask.Rollout, got {type(rollout).__name__}")
-    r = rollout
-    sampled_ids, sampled_logprob, topk_ids, topk_logprobs = r.sampled_ids, r.sampled_logprob, r.topk_ids, r.topk_logprobs
-    _check_tensor("rollout.sampled_ids", sampled_ids, float_=False)
-    _check_shape("rollout.sampled_ids", sampled_ids, lead, "the leading dims of logits")
-    check_device("rollout.sampled_ids", sampled_ids, device)
-    _check_tensor("rollout.sampled_logprob", sampled_logprob, float_=True)
-    _check_shape("rollout.sampled_logprob", sampled_logprob, lead, "the leading dims of logits")
-    check_device("rollout.sampled_logprob", sampled_logprob, device)
-    if topk_ids is not None:
-        _check_tensor("rollout.topk_ids", topk_ids, float_=False)
-        _check_tensor("rollout.topk_logprobs", topk_logprobs, float_=True)
-        if topk_ids.dim() != len(lead) + 1 or tuple(topk_ids.shape[:-1]) != lead:
-            _fail("rollout.topk_ids", f"expected shape {lead + ('K',)}, got {tuple(topk_ids.shape)}")
-        K = topk_ids.shape[-1]
-        _check_shape("rollout.topk_logprobs", topk_logprobs, lead + (K,), "same as rollout.topk_ids")
-        if K < 1:
-            _fail("rollout.topk_ids", "K must be at least 1")
-        if K > V:
-            _fail("rollout.topk_ids", f"K = {K} exceeds the vocabulary size V = {V}")
-        check_device("rollout.topk_ids", topk_ids, device)
-        check_device("rollout.topk_logprobs", topk_logprobs, device)
-    rollout_logits, kept_mask, response_mask = r.logits, r.kept_mask, r.response_mask
-    if rollout_logits is not None:
-        _check_tensor("rollout.logits", rollout_logits, float_=True)
-        _check_shape("rollout.logits", rollout_logits, lead + (V,), "same as logits")
-        check_device("rollout.logits", rollout_logits, device)
-    if kept_mask is not None:
-        if kept_mask.dtype != torch.bool:
-            _fail("rollout.kept_mask", f"must be a bool tensor (the engine's kept set), got {kept_mask.dtype}")
-        _check_shape("rollout.kept_mask", kept_mask, lead + (V,), "same as logits")
-        check_device("rollout.kept_mask", kept_mask, device)
-    mask_values = None
-    if response_mask is None:
-        valid = torch.ones(lead, dtype=torch.bool, device=device)
-    else:
-        if response_mask.is_complex():
-            _fail("rollout.response_mask", f"must be bool or 0/1 values, got dtype {response_mask.dtype}")
-        _check_shape("rollout.response_mask", response_mask, lead, "the leading dims of logits")
-        check_device("rollout.response_mask", response_mask, device)
-        valid = response_mask.bool()
-        if response_mask.dtype != torch.bool:
-            mask_values = response_mask.reshape(-1)
-
-    valid = valid.reshape(-1)
-    ids = sampled_ids.reshape(-1).long()
-    lp = sampled_logprob.reshape(-1)
-    tk_ids = tk_lp = None
-    if topk_ids is not None:
-        K = topk_ids.shape[-1]
-        tk_ids = topk_ids.reshape(-1, K).long()
-        tk_lp = topk_logprobs.reshape(-1, K)
-
+    r, dims = rollout, "the leading dims of logits"
+    K = None if r.topk_ids is None else r.topk_ids.shape[-1]
+    if r.topk_ids is not None and (r.topk_ids.dim() != len(lead) + 1 or tuple(r.topk_ids.shape[:-1]) != lead):
+        _fail("rollout.topk_ids", f"expected shape {lead + ('K',)}, got {tuple(r.topk_ids.shape)}")
+    for name, kind, shape, what in (("sampled_ids", "ids", lead, dims), ("sampled_logprob", "float", lead, dims),
+                                    ("topk_ids", "ids", lead + (K,), "the rollout's top-K"),
+                                    ("topk_logprobs", "float", lead + (K,), "same as rollout.topk_ids"),
+                                    ("logits", "float", lead + (V,), "same as logits"),
+                                    ("kept_mask", "bool", lead + (V,), "same as logits"),
+                                    ("response_mask", "mask", lead, dims)):
+        if getattr(r, name) is not None:
+            _check_rollout_tensor(f"rollout.{name}", getattr(r, name), kind, shape, what, device)
+    if K is not None and not 1 <= K <= V:
+        _fail("rollout.topk_ids", "K must be at least 1" if K < 1 else f"K = {K} exceeds the vocabulary size V = {V}")
+    valid = torch.ones(lead, dtype=torch.bool, device=device) if r.response_mask is None else r.response_mask.bool()
+    valid, ids, lp = valid.reshape(-1), r.sampled_ids.reshape(-1).long(), r.sampled_logprob.reshape(-1)
+    tk_ids = None if K is None else r.topk_ids.reshape(-1, K).long()
+    tk_lp = None if K is None else r.topk_logprobs.reshape(-1, K)
     if validate:
         own = checks is None
         checks = Checks() if own else checks
-        if mask_values is not None:
-            checks.add("rollout.response_mask", "must hold only 0/1 (or bool) values",
-                       ((mask_values != 0) & (mask_values != 1)).any())
+        if r.response_mask is not None and r.response_mask.dtype != torch.bool:
+            m = r.response_mask.reshape(-1)
+            checks.add("rollout.response_mask", "must hold only 0/1 (or bool) values", ((m != 0) & (m != 1)).any())
         _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks)
         if own:
             checks.run()
-
-    # Sanitise padding: a consistent, harmless placeholder row (sampled id 0 in the
-    # support, uniform-looking log-probs) so that no NaN/inf is ever computed there.
-    pad = ~valid
+    # Sanitise padding: a consistent, harmless placeholder row (sampled id 0 in the support,
+    # uniform-looking log-probs) so that no NaN/inf is ever computed there.
+    pad, filler = ~valid, -math.log(V)
     ids = torch.where(pad, torch.zeros_like(ids), ids)
-    filler = -math.log(V)
     lp = torch.where(pad, torch.full_like(lp, filler), lp).clamp(max=0.0)
-    if tk_ids is not None:
-        K = tk_ids.shape[-1]
-        ar = torch.arange(K, device=tk_ids.device).expand_as(tk_ids)
-        tk_ids = torch.where(pad[:, None], ar, tk_ids)
+    if K is not None:
+        tk_ids = torch.where(pad[:, None], torch.arange(K, device=tk_ids.device).expand_as(tk_ids), tk_ids)
         tk_lp = torch.where(pad[:, None], torch.full_like(tk_lp, filler), tk_lp).clamp(max=0.0)
-
-    rl = rollout_logits.reshape(-1, V) if rollout_logits is not None else None
-    return Batch(
-        logits=None,
-        sampled_ids=ids,
-        sampled_logprob=lp,
-        topk_ids=tk_ids,
-        topk_logprobs=tk_lp,
-        rollout_logits=rl,
-        valid=valid,
-        lead_shape=lead,
-        vocab_size=V,
-        kept_mask=None if kept_mask is None else kept_mask.reshape(-1, V),
-    )
+    flat = {k: None if getattr(r, k) is None else getattr(r, k).reshape(-1, V) for k in ("logits", "kept_mask")}
+    return Batch(ids, lp, tk_ids, tk_lp, flat["logits"], valid, lead, V, flat["kept_mask"])
 
 
 def _check_values(V, valid, ids, lp, tk_ids, tk_lp, checks: Checks) -> None:

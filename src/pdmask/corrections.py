@@ -1,43 +1,14 @@
-"""Off-policy corrections: the IS weight and the rejection rules, a stage after the token mask.
+"""Off-policy corrections, a stage after the token mask, on the detached ``log r`` of a (B, T)
+batch (docs/corrections.md): 1. the **IS weight** of the DPPO surrogate (``is_level`` None /
+``"token"`` / ``"sequence"``, bounded to ``[is_floor, is_cap]``: truncated, or masked with
+``is_mask``; ``is_batch_normalize``); 2. verl 0.9.1's **rejection rules** (``l = clamp(log r,
+-20, 20)``, ``k1 = -l``, ``k2 = l^2 / 2``, ``k3 = exp(l) - 1 - l`` per token, or a sequence's
+sum / mean / max; k1 keeps ``log(lo) <= stat <= log(hi)``, k2/k3 ``stat <= hi``); 3.
+DeepSeek-V3.2's **off-policy sequence mask** (``A < 0`` and the sequence's mean
+``log mu_k - log pi_k`` above the threshold). Keep flag: ``M_mode & M_is & M_rules & M_opsm``.
+Naive torch of a sequence TIS weight and a ``seq_mean_k3`` rule::
 
-Every mask mode decides per token (region x direction). The corrections practitioners
-add on top act on the detached log-ratio ``log r = log pi_k - log mu_k`` of a (B, T)
-batch, per token or per sequence, and compose with every mode:
-
-1. **IS weight** ``w`` of the DPPO surrogate ``-M sg(w) A log pi_k``
-   (``is_level``, ``is_cap``, ``is_floor``, ``is_mask``, ``is_batch_normalize``)::
-
-       is_level=None        w = 1                        (no IS: plain REINFORCE)
-       is_level="token"     w_t = r_t                    (default)
-       is_level="sequence"  w_b = prod_t r_bt            (broadcast over the sequence)
-
-   bounded to ``[is_floor, is_cap]``: truncated (TIS: ``w = clamp(w, is_floor, is_cap)``),
-   or with ``is_mask=True`` masked (MIS; IcePop at token level): a token / sequence whose
-   ``w`` lies outside the bounds gets ``M = 0``, inside ``w`` is kept as is.
-   ``is_batch_normalize`` divides ``w`` by its mean over the batch's response tokens
-   (token level) or sequences (sequence level), as verl does.
-2. **Rejection rules** (``rejection``, ``rejection_threshold``; verl's ``rollout_rs`` names
-   and semantics, 0.9.1): with ``l = clamp(log r, -20, 20)``::
-
-       k1 = -l = log(mu_k / pi_k)      k2 = l^2 / 2      k3 = exp(l) - 1 - l
-
-   ``token_kX`` tests each token, ``seq_sum_kX`` / ``seq_mean_kX`` / ``seq_max_kX`` the
-   sum / mean / max over a sequence's response tokens and reject the whole sequence.
-   k1 rules keep ``log(lo) <= stat <= log(hi)``; k2/k3 rules keep ``stat <= hi``. Note
-   that verl bounds ``k1 = log(mu/pi)``, i.e. ``1/r``, not ``r``: ``seq_mean_k1`` with
-   ``lo_hi`` keeps ``exp(mean log r)`` in ``[1/hi, 1/lo]`` (the same interval when
-   ``lo = 1/hi``). SkyRL's ``geo_mask_low/high = a/b`` is ``seq_mean_k1`` with ``1/b_1/a``.
-3. **Off-policy sequence mask** (DeepSeek-V3.2; TRL ``off_policy_mask_threshold = delta``):
-   a token of a sequence is masked iff its advantage is negative and the sequence's
-   mean of ``log mu_k - log pi_k`` over its response tokens exceeds ``delta``.
-
-A token's final keep flag is ``M_mode & M_is & M_rules & M_opsm``. Every statistic is
-over the response tokens (``response_mask``), independent of the token mask, as in verl.
-
-Naive torch equivalent of the sequence-level TIS weight and a ``seq_mean_k3`` rule::
-
-    lr = (logp - sampled_logprob).where(mask, 0)
-    w = lr.sum(-1).exp().clamp(max=C)[:, None].expand_as(lr)
+    lr = (logp - sampled_logprob).where(mask, 0); w = lr.sum(-1).exp().clamp(max=C)[:, None]
     keep = ((lr.clamp(-20, 20).exp() - 1 - lr.clamp(-20, 20)) * mask).sum(-1) / mask.sum(-1) <= hi
 """
 
@@ -48,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ._validate import check_choice, check_positive
+from ._validate import SpecError, check_bool, check_choice, check_positive
 from .divergences import floor_neginf, masked_mean
 from .stats import MAX_LOG_RATIO
 
@@ -75,24 +46,10 @@ class Rule:
 
 @dataclass(frozen=True)
 class Corrections:
-    """The off-policy corrections of one loss (module docstring), checked here, once.
-
-    Attributes (verl / TRL meanings in the module docstring):
-        is_level: ``"token"`` (default), ``"sequence"`` or None (no IS weight).
-        is_cap: upper bound C of every IS weight (``inf``: only ``MAX_LOG_RATIO``); None:
-            :data:`DEFAULT_IS_CAP` (5), and the spec knows it was not given
-            (:attr:`is_cap_given`: a given cap that would do nothing is refused). In ``grpo``
-            also the dual-clip constant unless ``Thresholds.dual_clip`` is given.
-        is_floor: lower bound of the weight (None: none); truncates, or masks with ``is_mask``.
-        is_mask: mask outside ``[is_floor, is_cap]`` instead of truncating (MIS, IcePop).
-        is_batch_normalize: divide the weights by their batch mean (verl).
-        rejection, rejection_threshold: verl's ``rollout_rs`` rules and thresholds,
-            parsed into :attr:`rules`.
-        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask (None: off).
-
-    An error names the field (``is_floor: must be below is_cap ...``). The refusals that
-    depend on the mode's surrogate are :meth:`check_surrogate`.
-    """
+    """The off-policy corrections of one loss (module docstring), checked here, once: ``is_cap``
+    None is :data:`DEFAULT_IS_CAP` with :attr:`is_cap_given` False (a given cap that would do
+    nothing is refused; in ``grpo`` it is also the dual clip unless ``Thresholds.dual_clip``);
+    ``rejection`` / ``rejection_threshold`` are parsed into :attr:`rules`."""
 
     is_level: str | None = "token"
     is_cap: float | None = None
@@ -111,28 +68,21 @@ class Corrections:
         if self.is_cap is None:
             object.__setattr__(self, "is_cap", DEFAULT_IS_CAP)
         is_level, is_cap, is_floor = self.is_level, self.is_cap, self.is_floor
-        if is_level not in IS_LEVELS:
-            raise ValueError(f"is_level: unknown value {is_level!r}; valid values are: None, token, sequence")
+        check_choice("is_level", is_level, IS_LEVELS)
         check_positive("is_cap", is_cap, allow_inf=True)
         if is_floor is not None:
             check_positive("is_floor", is_floor)
             if is_floor >= is_cap:
-                raise ValueError(f"is_floor: must be below is_cap = {is_cap}, got {is_floor}")
-        for name in ("is_mask", "is_batch_normalize"):
-            v = getattr(self, name)
-            if not isinstance(v, bool):
-                raise ValueError(f"{name}: expected True or False, got {v!r}")
-        if self.is_mask and is_level is None:
-            raise ValueError("is_mask: needs is_level='token' or 'sequence' (the ratio whose bounds mask)")
-        if self.is_batch_normalize and is_level is None:
-            raise ValueError("is_batch_normalize: needs is_level='token' or 'sequence' (there is no weight to normalise)")
+                raise SpecError("is_floor", f"must be below is_cap = {is_cap}, got {is_floor}")
+        for name, why in (("is_mask", "the ratio whose bounds mask"), ("is_batch_normalize", "a weight to normalise")):
+            check_bool(name, getattr(self, name))
+            if getattr(self, name) and is_level is None:
+                raise SpecError(name, f"needs is_level='token' or 'sequence' ({why})")
         check_positive("off_policy_mask_threshold", self.off_policy_mask_threshold)
         object.__setattr__(self, "rules", parse_rejection(self.rejection, self.rejection_threshold))
-        object.__setattr__(self, "is_cap", float(is_cap))
-        if is_floor is not None:
-            object.__setattr__(self, "is_floor", float(is_floor))
-        if self.off_policy_mask_threshold is not None:
-            object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
+        for name in ("is_cap", "is_floor", "off_policy_mask_threshold"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
     def from_fields(cls, obj, **overrides) -> "Corrections":
@@ -143,33 +93,27 @@ class Corrections:
         return cls(**kw)
 
     def check_surrogate(self, surrogate: str, *, dual_clip: float | None = None) -> None:
-        """What the mode's surrogate cannot honour, refused with one line naming the field.
-
-        Every surrogate but ``dppo`` (``ppo-clip`` of ``grpo``; ``drpo``, ``spo``, ``smooth``)
-        differentiates its ratio ``pi/mu``, which already is the token IS weight, so only
-        masks apply there: a weight that would count it twice (``is_level="sequence"``,
-        ``is_floor`` without ``is_mask``, ``is_batch_normalize``) is refused. A *given*
-        ``is_cap`` (:attr:`is_cap_given`) that bounds nothing is refused too: with ``dppo``
-        and ``is_level=None`` (no weight); with the ratio surrogates and no ``is_mask``,
-        except in ``grpo`` without ``dual_clip``, where ``is_cap`` is the dual-clip constant.
-        """
+        """What the mode's surrogate cannot honour. Every surrogate but ``dppo`` differentiates
+        its ratio pi/mu, already the token IS weight, so only masks apply there; a given
+        ``is_cap`` that bounds nothing is refused (``dppo`` without a weight; the ratio
+        surrogates without ``is_mask``, but for ``grpo``'s dual clip when ``dual_clip`` is None)."""
         if surrogate == "dppo":
             if self.is_level is None and self.is_cap_given:
-                raise ValueError("is_cap: bounds the IS weight, and is_level=None applies none (w = 1), so it would "
+                raise SpecError("is_cap", "bounds the IS weight, and is_level=None applies none (w = 1), so it would "
                                  "be ignored; set is_level='token' or 'sequence', or remove is_cap")
             return
         who = "grpo (ppo-clip)" if surrogate == "ppo-clip" else f"the {surrogate} surrogate"
         if self.is_level == "sequence" and not self.is_mask:
-            raise ValueError(f"is_level: 'sequence' weights are refused with {who}: its ratio pi/mu already "
+            raise SpecError("is_level", f"'sequence' weights are refused with {who}: its ratio pi/mu already "
                              "is the token IS weight; use is_mask=True for a sequence mask")
         if self.is_floor is not None and not self.is_mask:
-            raise ValueError(f"is_floor: truncating from below is refused with {who}: its ratio pi/mu is its "
+            raise SpecError("is_floor", f"truncating from below is refused with {who}: its ratio pi/mu is its "
                              "own weight; use is_mask=True to mask below is_floor")
         if self.is_batch_normalize:
-            raise ValueError(f"is_batch_normalize: refused with {who}, which applies no separate IS weight")
+            raise SpecError("is_batch_normalize", f"refused with {who}, which applies no separate IS weight")
         if self.is_cap_given and not self.is_mask and (surrogate != "ppo-clip" or dual_clip is not None):
             what = "dual_clip is the dual-clip constant" if surrogate == "ppo-clip" else "its ratio is the weight"
-            raise ValueError(f"is_cap: bounds nothing with {who} without is_mask ({what}), so it would be "
+            raise SpecError("is_cap", f"bounds nothing with {who} without is_mask ({what}), so it would be "
                              "ignored; set is_mask=True for an IS mask [is_floor, is_cap], or remove is_cap")
 
     @property
@@ -192,7 +136,7 @@ def _number(name: str, text) -> float:
     try:
         return float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a number, got {text!r}") from None
+        raise SpecError(name, f"expected a number, got {text!r}") from None
 
 
 def parse_rejection(rejection, rejection_threshold) -> tuple[Rule, ...]:
@@ -203,24 +147,24 @@ def parse_rejection(rejection, rejection_threshold) -> tuple[Rule, ...]:
     ``(lo, hi)`` pair (k1 only)."""
     if rejection is None:
         if rejection_threshold is not None:
-            raise ValueError("rejection_threshold: given without rejection rules (set rejection=...)")
+            raise SpecError("rejection_threshold", "given without rejection rules (set rejection=...)")
         return ()
     if isinstance(rejection, str):
         names = [s.strip() for s in rejection.split(",") if s.strip()]
     elif isinstance(rejection, (list, tuple)) and all(isinstance(s, str) for s in rejection):
         names = [s.strip() for s in rejection]
     else:
-        raise ValueError(f"rejection: expected a rule name, a comma-separated string or a list of names, "
+        raise SpecError("rejection", f"expected a rule name, a comma-separated string or a list of names, "
                          f"got {rejection!r}")
     if not names:
-        raise ValueError("rejection: no rule given")
+        raise SpecError("rejection", "no rule given")
     names = list(dict.fromkeys(names))
     for n in names:
         check_choice("rejection", n, RULES)
     if rejection_threshold is None:
-        raise ValueError(f"rejection_threshold: required with rejection={','.join(names)}")
+        raise SpecError("rejection_threshold", f"required with rejection={','.join(names)}")
     if isinstance(rejection_threshold, bool):
-        raise ValueError(f"rejection_threshold: expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
+        raise SpecError("rejection_threshold", f"expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
     if isinstance(rejection_threshold, (int, float)):
         specs = [rejection_threshold]
     elif isinstance(rejection_threshold, str):
@@ -228,9 +172,9 @@ def parse_rejection(rejection, rejection_threshold) -> tuple[Rule, ...]:
     elif isinstance(rejection_threshold, (list, tuple)):
         specs = list(rejection_threshold)
     else:
-        raise ValueError(f"rejection_threshold: expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
+        raise SpecError("rejection_threshold", f"expected a number, 'lo_hi' or a list, got {rejection_threshold!r}")
     if len(specs) not in (1, len(names)):
-        raise ValueError(f"rejection_threshold: expected 1 or {len(names)} entries (one per rule), got {len(specs)}")
+        raise SpecError("rejection_threshold", f"expected 1 or {len(names)} entries (one per rule), got {len(specs)}")
     specs = specs * len(names) if len(specs) == 1 else specs
     return tuple(_rule(n, s) for n, s in zip(names, specs))
 
@@ -243,15 +187,15 @@ def _rule(name: str, spec) -> Rule:
         pair = True
     elif isinstance(spec, (list, tuple)):
         if len(spec) != 2:
-            raise ValueError(f"{arg}: a (lo, hi) pair for {name} must have 2 entries, got {spec!r}")
+            raise SpecError(arg, f"a (lo, hi) pair for {name} must have 2 entries, got {spec!r}")
         lo, hi = _number(arg, spec[0]), _number(arg, spec[1])
         pair = True
     else:
         lo, hi, pair = None, _number(arg, spec), False
     if pair and not name.endswith("k1"):
-        raise ValueError(f"{arg}: {name} takes one upper bound, got the pair {spec!r} (lo_hi is for k1 rules)")
+        raise SpecError(arg, f"{name} takes one upper bound, got the pair {spec!r} (lo_hi is for k1 rules)")
     if not (hi > 0) or math.isinf(hi) or (lo is not None and not (0 < lo <= hi)):
-        raise ValueError(f"{arg}: bounds of {name} must satisfy 0 < lo <= hi < inf, got {spec!r}")
+        raise SpecError(arg, f"bounds of {name} must satisfy 0 < lo <= hi < inf, got {spec!r}")
     if name.endswith("k1") and lo is None:
         lo = 1.0 / hi
     return Rule(name, lo, hi)
@@ -291,23 +235,13 @@ def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
 # ------------------------------------------------------------------ the three stages
 def importance_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor,
                        corrections: Corrections | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The IS weight of each response token and the tokens its bounds mask.
-
-    Args:
-        log_ratio: (B, T) ``log pi_k - log mu_k`` (detached; padding may hold anything).
-        response_mask: (B, T) bool.
-        corrections: its ``is_*`` fields (see the module docstring); None: ``Corrections()``.
-
-    Returns ``(w, keep, metrics)``: ``w`` (B, T) detached (0 on padding and on masked
-    tokens), ``keep`` (B, T) bool (False where ``is_mask`` rejects), detached metrics
-    ``is_weight_mean/min/max`` over response tokens, ``is_truncated_frac`` (TIS) or
-    ``masked_frac_is`` / ``seq_masked_frac_is`` (``is_mask``).
-    """
+    """The IS weight of each response token (``corrections``' ``is_*`` fields; None: the
+    default) from the (B, T) ``log_ratio`` (padding may hold anything): ``(w, keep, metrics)``,
+    ``w`` detached (0 on padding and masked tokens), ``keep`` False where ``is_mask`` rejects,
+    metrics ``is_weight_mean/min/max``, ``is_truncated_frac`` (TIS) or ``masked_frac_is`` /
+    ``seq_masked_frac_is`` (``is_mask``)."""
     spec = Corrections() if corrections is None else corrections
-    return _importance(spec, log_ratio, response_mask.bool())
-
-
-def _importance(spec: Corrections, log_ratio, valid):
+    valid = response_mask.bool()
     lr = _floored(log_ratio)
     if spec.is_level is None:
         w = torch.ones_like(lr)
@@ -369,13 +303,9 @@ def rule_statistic(name: str, log_ratio: torch.Tensor, response_mask: torch.Tens
 
 def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, rejection,
                    rejection_threshold) -> tuple[torch.Tensor, dict]:
-    """The tokens the rejection rules keep: ``(keep (B, T) bool, metrics)``.
-
-    ``rejection`` / ``rejection_threshold`` in verl's ``rollout_rs`` syntax
-    (:func:`parse_rejection`); every rule must pass. Metrics per rule (detached):
-    ``masked_frac_rs_<rule>`` (response tokens it rejects on its own) and
-    ``seq_masked_frac_rs_<rule>`` (sequences with a rejected token).
-    """
+    """The tokens every rule keeps (verl's ``rollout_rs`` syntax, :func:`parse_rejection`):
+    ``(keep (B, T) bool, metrics)``, per rule ``masked_frac_rs_<rule>`` (response tokens it
+    rejects) and ``seq_masked_frac_rs_<rule>`` (sequences with a rejected token)."""
     return _rejection(parse_rejection(rejection, rejection_threshold), log_ratio, response_mask.bool())
 
 
@@ -398,12 +328,8 @@ def _rejection(rules, log_ratio, valid):
 
 def off_policy_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                     off_policy_mask_threshold: float) -> tuple[torch.Tensor, dict]:
-    """DeepSeek-V3.2's off-policy sequence mask (TRL ``off_policy_mask_threshold``).
-
-    A response token is masked iff ``A < 0`` and its sequence's mean of
-    ``log mu_k - log pi_k`` exceeds the threshold. ``advantages`` (B, T) or (B,).
-    Returns ``(keep (B, T) bool, {"masked_frac_opsm", "seq_masked_frac_opsm"})``.
-    """
+    """DeepSeek-V3.2's off-policy sequence mask: a token is masked iff ``A < 0`` and its
+    sequence's mean ``log mu_k - log pi_k`` exceeds the threshold. ``(keep, metrics)``."""
     check_positive("off_policy_mask_threshold", off_policy_mask_threshold)
     valid = response_mask.bool()
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(valid)
@@ -430,19 +356,15 @@ class CorrectionResult:
 
 def apply_corrections(spec: Corrections, log_ratio: torch.Tensor, advantages: torch.Tensor,
                       response_mask: torch.Tensor, *, surrogate: str = "dppo") -> CorrectionResult:
-    """All three stages on (B, T) tensors for a :class:`Corrections`.
-
-    The weight is returned only where it differs from the surrogate's own: with the
-    ``dppo`` surrogate and a non-default spec; never with ``ppo-clip``, whose ratio is
-    the weight. The metrics add ``masked_frac_correction`` / ``seq_masked_frac_correction``
-    (response tokens / sequences any correction masks).
-    """
+    """All three stages on (B, T) tensors. The weight is returned only where it differs from
+    the surrogate's own (``dppo`` with a non-default spec); the metrics add
+    ``masked_frac_correction`` / ``seq_masked_frac_correction`` (what any correction masks)."""
     valid = response_mask.bool()
     keep = torch.ones_like(valid)
     m: dict = {}
     weight = None
     if not spec.default_weight:
-        w, k_is, m_is = _importance(spec, log_ratio, valid)
+        w, k_is, m_is = importance_weights(log_ratio, valid, spec)
         weight = w if surrogate == "dppo" else None
         keep = keep & k_is
         # ppo-clip applies the masks only: its weight is the PPO ratio, not this one

@@ -1,21 +1,12 @@
-"""The statistics' vocabulary: one definition of every divergence, estimator and stat key.
-
-Every module that names a per-token statistic (the core, the audit, the integrations)
-takes the names from here, so that a key such as ``ddot_topk_kl_exact`` is written once.
-
-- divergences: ``binary_tv``, ``binary_kl`` (sampled token only), ``topk_kl``,
-  ``topk_tv`` (rollout top-K plus a tail bucket), ``full_kl``, ``full_tv`` (the rollout's
-  full logits; simulation / oracle).
-- estimators of the top-K tail in ``Ddot``: ``exact``, ``aggregated``, ``uniform``,
-  ``truncated`` (docs/core.md); supports of the top-K divergences: ``topk+sampled``,
-  ``topk``.
-- ``ddot_key(div, est)``: the stat key of ``Ddot`` of ``div`` (the estimator matters for
-  the top-K divergences only).
-- ``BATCH_DDOT``: the stat key of an externally computed direction (the batch-aware
-  mask, :mod:`pdmask.batchmask`), passed to the loss as ``batch_ddot=``.
+"""The statistics' vocabulary: the divergence, estimator and support names, and the stat
+key of every ``Ddot`` (``ddot_key``; ``DDOT_KEY`` the table), written once here
+(docs/core.md): ``binary_*`` (the sampled token), ``topk_*`` (the rollout's top-K plus a
+tail bucket), ``full_*`` (the rollout's full logits; simulation / oracle).
 """
 
 from __future__ import annotations
+
+from ._validate import check_choice
 
 ESTIMATORS = ("exact", "aggregated", "uniform", "truncated")
 #: The supports of the top-K divergences: ``"topk+sampled"`` (default) ``S' = topK ∪ {k}``;
@@ -26,16 +17,13 @@ BINARY_DIVERGENCES = ("binary_tv", "binary_kl")
 TOPK_DIVERGENCES = ("topk_kl", "topk_tv")
 FULL_DIVERGENCES = ("full_kl", "full_tv")
 DIVERGENCES = BINARY_DIVERGENCES + TOPK_DIVERGENCES + FULL_DIVERGENCES
-#: stat key of the batch direction ``<grad log pi_t, P grad Phi>`` (``batch_ddot=`` argument)
-BATCH_DDOT = "ddot_batch"
+#: ``(divergence, estimator) -> stat key of its Ddot``, every pair (:func:`ddot_key` checks its names).
+DDOT_KEY = {(d, e): f"ddot_{d}_{e}" if d in TOPK_DIVERGENCES else f"ddot_{d}" for d in DIVERGENCES for e in ESTIMATORS}
 
 
 def ddot_key(divergence: str, estimator: str = "exact") -> str:
     """``ddot_topk_kl_exact`` for a top-K divergence, ``ddot_binary_tv`` / ``ddot_full_kl`` otherwise."""
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence: unknown value {divergence!r}; valid values are: {', '.join(DIVERGENCES)}")
+    check_choice("divergence", divergence, DIVERGENCES)
     if divergence in TOPK_DIVERGENCES:
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: unknown value {estimator!r}; valid values are: {', '.join(ESTIMATORS)}")
-        return f"ddot_{divergence}_{estimator}"
-    return f"ddot_{divergence}"
+        check_choice("estimator", estimator, ESTIMATORS)
+    return DDOT_KEY[divergence, estimator if estimator in ESTIMATORS else ESTIMATORS[0]]

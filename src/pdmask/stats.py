@@ -1,36 +1,30 @@
-"""Per-token statistics: the (N,) / (N, K) quantities every mask and loss reads.
-
-The vocabulary reductions (log-sum-exp, ``log pi_k``, ``sum pi^2``, the entropy, log pi at
-the rollout's top-K ids; with the rollout's full logits the full-vocabulary terms) come
-from one call of :func:`pdmask.ops.row_stats`, the only code that reads the (N, V)
-logits. This module turns them into the divergences (:mod:`pdmask.divergences`) and the
-direction derivatives (:mod:`pdmask.directions`) under the stat keys of
-:mod:`pdmask.keys`; it touches no (N, V) tensor itself.
-
-Naive torch equivalent of :func:`stats_from_batch` (binary part)::
-
-    logq = torch.log_softmax(logits.float() / T, -1)               # (N, V)
-    logp = logq.gather(1, k[:, None])[:, 0]; sum_p2 = logq.exp().pow(2).sum(-1)
-    binary_stats(logp, sampled_logprob, sum_p2)
+"""Per-token statistics: :class:`TokenStats`, the one contract between :mod:`pdmask.ops` and
+everything above it; :func:`token_stats` its one producer, :meth:`TokenStats.from_logprobs`
+the adapter for log-probs alone (verl), :func:`pdmask.loss.loss_from_stats` its one consumer.
+Naive torch of the binary part: ``logp = log_softmax(logits / T, -1).gather(-1, k[..., None])``,
+``log_ratio = logp - rollout.sampled_logprob``, ``binary_tv = |exp(logp) - exp(sampled_logprob)|``.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 
 import torch
 
-from . import directions as dirs
-from . import divergences as divs
+from . import divergences as dv
 from . import ops
-from ._validate import Batch, Checks, check_choice, prepare
-from .keys import ESTIMATORS, SUPPORTS, ddot_key
+from ._validate import Checks, SpecError, check_choice, prepare
+from .keys import DDOT_KEY, ESTIMATORS, SUPPORTS, TOPK_DIVERGENCES
 from .rollout import Rollout
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
 #: ``ratio`` statistic, the IS weight ``min(r, C)`` and the PPO ratio of the loss
 #: (exp(50) ~ 5e21: finite in float32 even times an advantage and a floored log pi_k).
 MAX_LOG_RATIO = 50.0
+#: stat name of a top-K Ddot -> (divergence, estimator)
+TOPK_DDOTS = {DDOT_KEY[d, e]: (d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS}
 
 
 def capped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -38,194 +32,237 @@ def capped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.clamp(max=MAX_LOG_RATIO).exp()
 
 
-def binary_stats(logp: torch.Tensor, sampled_logprob: torch.Tensor, sum_p2: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The statistics of the sampled token alone, from (N,) ``log pi_k``, ``log mu_k`` and
-    ``sum_i pi_i^2`` (detached inputs): ``log_ratio``, ``ratio`` (capped, see
-    :data:`MAX_LOG_RATIO`), ``binary_tv``, ``binary_kl``, ``ddot_binary_tv``,
-    ``ddot_binary_kl``.
-
-    Naive torch: ``log_ratio = logp - sampled_logprob``; ``binary_tv = |exp(logp) -
-    exp(sampled_logprob)|``; the rest in :mod:`pdmask.divergences` / :mod:`pdmask.directions`.
-    """
-    log_ratio = dirs.log_ratio(logp, sampled_logprob)
-    return {
-        "log_ratio": log_ratio,
-        "ratio": capped_ratio(log_ratio),
-        "binary_tv": divs.binary_tv(logp, sampled_logprob),
-        "binary_kl": divs.binary_kl(logp, sampled_logprob),
-        ddot_key("binary_tv"): dirs.ddot_binary_tv(logp, sampled_logprob, sum_p2),
-        ddot_key("binary_kl"): dirs.ddot_binary_kl(logp, sampled_logprob, sum_p2),
-    }
+def _tensors(obj) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)}
 
 
-def _sanitise_padding(red: dict[str, torch.Tensor], valid: torch.Tensor, V: int) -> dict[str, torch.Tensor]:
-    """The reductions with padding rows replaced by those of a uniform pi = mu.
+@dataclass(frozen=True, eq=False)
+class TopKStats:
+    """The top-K part: ``topk_kl``, ``topk_tv`` on the support ``S'`` with one tail bucket;
+    ``rollout_tail_mass`` (mu_T), ``policy_tail_mass`` (pi_T), ``tail_clamped`` (sum of mu on
+    the support exceeded 1 by rounding), ``sampled_in_topk``. :meth:`ddot` is computed from
+    ``support`` when first read (a mode reads one of the eight); a part made elsewhere
+    (:meth:`from_dict`) carries the ones it was given."""
 
-    Padding logits may hold anything (NaN, inf): their statistics are junk, and a NaN
-    there would reach the gradient through a multiplication by zero. ``where`` cuts both
-    the value and the gradient path (the op's backward then sees a zero upstream gradient
-    on those rows and writes zeros there, whatever the logits hold). (N,) work only."""
-    if not valid.is_cuda and bool(valid.all()):
-        return red  # CPU without padding: nothing to replace (the test is free on CPU)
-    logv = math.log(V)
-    # (lse_tail, sum_p2_tail: finite stand-ins; padding rows are never read beyond this)
-    fill = {"lse": 0.0, "logp": -logv, "sum_p2": 1.0 / V, "entropy": logv, "topk_logp": -logv,
-            "lse_tail": -logv, "sum_p2_tail": 0.0,
-            "full_kl": 0.0, "full_tv": 0.0, "full_mu_k": 1.0 / V, "sum_p_mu": 1.0 / V, "sum_p_s": 0.0,
-            "sum_p2_s": 0.0, "kept_mass": 1.0, "kept_size": V, "sampled_outside": 0, "kept_topk_mismatch": 0}
-    out = {}
-    for k, x in red.items():
-        m = valid if x.dim() == 1 else valid[:, None]
-        out[k] = torch.where(m, x, torch.full_like(x, fill[k])) if k in fill else x
-    return out
+    topk_kl: torch.Tensor
+    topk_tv: torch.Tensor
+    rollout_tail_mass: torch.Tensor
+    policy_tail_mass: torch.Tensor
+    tail_clamped: torch.Tensor
+    sampled_in_topk: torch.Tensor
+    support: dv.Support | None = field(default=None, repr=False)
+    ddots: dict = field(default_factory=dict, repr=False)
+
+    def ddot(self, divergence: str, estimator: str = "exact") -> torch.Tensor:
+        """``Ddot`` of ``topk_kl`` / ``topk_tv`` with a tail estimator (:data:`pdmask.ESTIMATORS`)."""
+        key = DDOT_KEY[divergence, estimator]
+        if key not in self.ddots:
+            if self.support is None:
+                raise KeyError(key)
+            fn = dv.ddot_topk_kl if divergence == "topk_kl" else dv.ddot_topk_tv
+            self.ddots[key] = fn(self.support, estimator).reshape(self.topk_kl.shape)
+        return self.ddots[key]
+
+    def names(self) -> list[str]:
+        return [k for k in TOPK_NAMES if k not in TOPK_DDOTS or self.support is not None or k in self.ddots]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the part by its stat name, each ``Ddot`` computed (to ship it)."""
+        return {k: self.ddot(*TOPK_DDOTS[k]) if k in TOPK_DDOTS else getattr(self, k) for k in self.names()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, torch.Tensor]) -> "TopKStats":
+        """The part from :meth:`to_dict`'s entries (the ``Ddot`` ones that are there)."""
+        missing = [k for k in TOPK_NAMES if k not in d and k not in TOPK_DDOTS]
+        if missing:
+            raise SpecError("stats", f"missing the top-K statistics {', '.join(map(repr, missing))}")
+        return cls(**{k: d[k] for k in TOPK_NAMES if k not in TOPK_DDOTS},
+                   ddots={k: d[k] for k in TOPK_DDOTS if k in d})
 
 
-def stats_from_batch(
-    batch: Batch, *, sampling: ops.Sampling, compute: ops.Compute, validate: bool = True,
-    support: str = "topk+sampled",
-) -> dict[str, torch.Tensor]:
-    """All per-token statistics on flattened (N,) rows; ``logp`` carries the gradient.
+#: the stat names of a top-K part: its tensor fields, then its Ddot (what a plugin ships)
+TOPK_NAMES = tuple(f.name for f in fields(TopKStats) if f.name not in ("support", "ddots")) + tuple(TOPK_DDOTS)
 
-    ``support`` (:data:`pdmask.keys.SUPPORTS`, checked by the caller): the support of the
-    top-K divergences, ``topK ∪ {k}`` or the top-K alone (:func:`pdmask.divergences.build_support`).
 
-    ``compute`` (:class:`pdmask.ops.Compute`: ``impl``, ``chunk_rows``, ``chunk_cols``) is
-    passed to :mod:`pdmask.ops`; ``"auto"`` never needs Triton on CPU. ``sampling`` gives
-    the temperature; its truncation (or ``batch.kept_mask``) makes every statistic that
-    of pi renormalised over the kept set and adds ``kept_mass``, ``kept_size``,
-    ``sampled_outside`` (and, with top-K, ``kept_topk_mismatch``). A batch with ``hidden``
-    states goes to :func:`pdmask.ops.hidden_row_stats`.
-    """
-    trunc = sampling if sampling.truncated else None
-    T = sampling.temperature
-    if batch.hidden is not None:
-        red = ops.hidden_row_stats(batch.hidden, batch.lm_head_weight, batch.sampled_ids, batch.topk_ids,
-                                   temperature=T, chunk_cols=compute.chunk_cols, chunk_rows=compute.chunk_rows,
-                                   validate=False, kept_mask=batch.kept_mask, truncation=trunc)
-    else:
-        red = ops.row_stats(batch.logits, batch.sampled_ids, batch.topk_ids, temperature=T,
-                            chunk_rows=compute.chunk_rows, impl=compute.impl, validate=False,
-                            rollout_logits=batch.rollout_logits, kept_mask=batch.kept_mask, truncation=trunc)
-    if validate:  # one host sync, made only when validating (off on a trusted hot path)
-        v = batch.valid
-        checks = Checks()
-        what = "logits" if batch.hidden is None else "hidden"
-        checks.add(what, "a response row has no finite logit (all -inf, or NaN/inf values)",
-                   (~torch.isfinite(red["lse"]) & v).any())
-        if batch.rollout_logits is not None:
-            bad = ~(torch.isfinite(red["full_tv"]) & torch.isfinite(red["full_mu_k"]))
-            checks.add("rollout.logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
-                       (bad & v).any())
-        checks.run()
-    red = _sanitise_padding(red, batch.valid, batch.vocab_size)
-    logp, lse = red["logp"], red["lse"]
-    logp_d = logp.detach()
+@dataclass(frozen=True, eq=False)
+class FullStats:
+    """The full-vocabulary part (the rollout's full logits given: simulation / oracle)."""
+
+    full_kl: torch.Tensor
+    full_tv: torch.Tensor
+    ddot_full_kl: torch.Tensor
+    ddot_full_tv: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class KeptStats:
+    """The kept-set part (truncated sampling): ``kept_mass`` = pi(S) of the full-vocabulary
+    pi, ``kept_size`` = |S|, ``sampled_outside`` (bool: the trainer's rule drops the sampled
+    token), with top-K ``kept_topk_mismatch`` (share of top-K entries whose membership differs
+    between the engine's set and the trainer's)."""
+
+    kept_mass: torch.Tensor
+    kept_size: torch.Tensor
+    sampled_outside: torch.Tensor
+    kept_topk_mismatch: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class TokenStats(Mapping):
+    """Every per-token statistic of one batch, shaped like the rollout's ids: ``logp`` (log pi_k,
+    the one differentiable tensor), ``sampled_logprob`` (log mu_k), ``log_ratio``, ``ratio``
+    (capped), ``entropy``, ``sum_p2``, ``binary_tv``, ``binary_kl`` and their ``Ddot =
+    grad_{z/T} D . (e_k - pi)``, ``valid``; parts ``topk``, ``full``, ``kept``; ``extras``.
+    It also reads as a mapping from stat names (these fields, the top-K ``Ddot`` names of
+    :func:`pdmask.ddot_key`, the extras) to tensors: the audit, the plugins and the modes
+    name statistics by computed keys, and the names are the fields, written nowhere else."""
+
+    logp: torch.Tensor
+    sampled_logprob: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    entropy: torch.Tensor
+    sum_p2: torch.Tensor
+    binary_tv: torch.Tensor
+    binary_kl: torch.Tensor
+    ddot_binary_tv: torch.Tensor
+    ddot_binary_kl: torch.Tensor
+    valid: torch.Tensor
+    topk: TopKStats | None = None
+    full: FullStats | None = None
+    kept: KeptStats | None = None
+    extras: Mapping = field(default_factory=dict)
+
+    @cached_property
+    def _index(self) -> dict[str, torch.Tensor]:
+        """Stat name -> tensor of every field of the statistics and their parts (not the lazy Ddot)."""
+        parts = [p for p in (self, self.full, self.kept, self.topk) if p is not None]
+        return {k: v for p in parts for k, v in _tensors(p).items()}
+
+    def __iter__(self):
+        yield from self._index
+        if self.topk is not None:
+            yield from (k for k in self.topk.names() if k in TOPK_DDOTS)
+        yield from self.extras
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._index.get(name)
+        if t is not None:
+            return t
+        if self.topk is not None and name in TOPK_DDOTS:
+            return self.topk.ddot(*TOPK_DDOTS[name])
+        return self.extras[name]
+
+    def computed(self) -> dict[str, torch.Tensor]:
+        """The tensors already computed, by stat name (a top-K ``Ddot`` only once read)."""
+        return {**self._index, **(self.topk.ddots if self.topk is not None else {}), **self.extras}
+
+    @classmethod
+    def from_logprobs(cls, logp: torch.Tensor, sampled_logprob: torch.Tensor, valid: torch.Tensor, *,
+                      sum_p2: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                      topk: TopKStats | None = None) -> "TokenStats":
+        """The statistics from log-probs alone, for a framework that hands the loss no logits
+        (verl). ``sum_p2`` None: its lower bound ``pi_k^2``, which changes the magnitude of the
+        binary ``Ddot``, never its sign (``1 - 2 pi_k + sum pi^2 >= (1 - pi_k)^2 > 0``), and
+        only the sign enters a mask; ``entropy`` None: 0; ``topk`` a top-K part made elsewhere."""
+        lp = logp.detach()
+        sum_p2 = lp.exp().square() if sum_p2 is None else sum_p2
+        entropy = torch.zeros_like(lp) if entropy is None else entropy
+        return cls(logp=logp, sampled_logprob=sampled_logprob, entropy=entropy, sum_p2=sum_p2, valid=valid.bool(),
+                   topk=topk, **_binary(lp, sampled_logprob, sum_p2))
+
+
+def _binary(logp: torch.Tensor, sampled_logprob: torch.Tensor, sum_p2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sampled token's statistics from detached ``log pi_k``, ``log mu_k``, ``sum_i pi_i^2``."""
+    log_ratio = dv.log_ratio(logp, sampled_logprob)
+    return {"log_ratio": log_ratio, "ratio": capped_ratio(log_ratio),
+            "binary_tv": dv.binary_tv(logp, sampled_logprob), "binary_kl": dv.binary_kl(logp, sampled_logprob),
+            "ddot_binary_tv": dv.ddot_binary_tv(logp, sampled_logprob, sum_p2),
+            "ddot_binary_kl": dv.ddot_binary_kl(logp, sampled_logprob, sum_p2)}
+
+
+def _shaped(part, lead: tuple):
+    return replace(part, **{k: t.reshape(lead + tuple(t.shape[1:])) for k, t in _tensors(part).items()})
+
+
+def _assemble(red: ops.Reductions, batch, support: str) -> TokenStats:
+    """:class:`TokenStats` (shaped like the rollout) from the (N,) reductions of a prepared batch."""
+    logp_d, lse = red.logp.detach(), red.lse
     rlp = batch.sampled_logprob.to(lse.dtype)
-    sum_p2 = red["sum_p2"]
-    bin_ = binary_stats(logp_d, rlp, sum_p2)
-    st = {
-        "logp": logp,
-        "sampled_logprob": rlp,
-        "log_ratio": bin_.pop("log_ratio"),
-        "ratio": bin_.pop("ratio"),
-        "entropy": red["entropy"],
-        "sum_p2": sum_p2,
-        **bin_,
-    }
+    topk = full = kept = None
     if batch.topk_ids is not None:
-        # pi's tail comes from its own reduction (lse_tail), not from 1 - sum pi: that
-        # rounds to 0 in float32 once the tail holds less than ~6e-8 of the mass
-        sup = divs.build_support(
-            batch.sampled_ids, logp_d, rlp, batch.topk_ids, red["topk_logp"],
-            batch.topk_logprobs.to(lse.dtype), sum_p2, batch.vocab_size,
-            log_pi_tail=red["lse_tail"] - lse, sum_p2_tail=red["sum_p2_tail"], support=support,
-        )
-        st.update({
-            "topk_kl": divs.topk_kl(sup),
-            "topk_tv": divs.topk_tv(sup),
-            "rollout_tail_mass": sup.mu_tail,
-            "policy_tail_mass": sup.pi_tail,
-            "tail_clamped": sup.mu_tail_clamped,
-            "sampled_in_topk": sup.k_col < batch.topk_ids.shape[1],
-        })
-        for est in ESTIMATORS:
-            st[ddot_key("topk_kl", est)] = dirs.ddot_topk_kl(sup, est)
-            st[ddot_key("topk_tv", est)] = dirs.ddot_topk_tv(sup, est)
-    if "kept_mass" in red:
-        st.update(kept_mass=red["kept_mass"], kept_size=red["kept_size"], sampled_outside=red["sampled_outside"])
-        if batch.topk_ids is not None:
-            # share of the top-K entries whose membership of the kept set differs between the
-            # engine (a -inf processed log-prob: outside) and the trainer's rebuilt set
-            eng = torch.isfinite(batch.topk_logprobs)
-            mine = torch.isfinite(red["topk_logp"])
-            st["kept_topk_mismatch"] = (eng != mine).to(lse.dtype).mean(-1)
+        # pi's tail comes from its own reduction (lse_tail), not from 1 - sum pi: that rounds
+        # to 0 in float32 once the tail holds less than ~6e-8 of the mass
+        sup = dv.build_support(batch.sampled_ids, logp_d, rlp, batch.topk_ids, red.topk_logp,
+                               batch.topk_logprobs.to(lse.dtype), red.sum_p2, batch.vocab_size,
+                               log_pi_tail=red.lse_tail - lse, sum_p2_tail=red.sum_p2_tail, support=support)
+        topk = TopKStats(dv.topk_kl(sup), dv.topk_tv(sup), sup.mu_tail, sup.pi_tail, sup.mu_tail_clamped,
+                         sup.k_col < batch.topk_ids.shape[1], support=sup)
+    if red.kept_mass is not None:
+        # share of the top-K entries whose membership of the kept set differs between the
+        # engine (a -inf processed log-prob: outside) and the trainer's rebuilt set
+        mismatch = None if batch.topk_ids is None else \
+            (torch.isfinite(batch.topk_logprobs) != torch.isfinite(red.topk_logp)).to(lse.dtype).mean(-1)
+        kept = KeptStats(red.kept_mass, red.kept_size, red.sampled_outside, mismatch)
     if batch.rollout_logits is not None:
-        st.update({
-            "full_kl": red["full_kl"],
-            "full_tv": red["full_tv"],
-            ddot_key("full_kl"): dirs.ddot_full_kl(logp_d, red["full_mu_k"], red["sum_p_mu"], sum_p2),
-            ddot_key("full_tv"): dirs.ddot_full_tv(logp_d, red["full_mu_k"], red["sum_p_s"], red["sum_p2_s"], sum_p2),
-        })
-    st["valid"] = batch.valid
-    return st
+        full = FullStats(red.full_kl, red.full_tv, dv.ddot_full_kl(logp_d, red.full_mu_k, red.sum_p_mu, red.sum_p2),
+                         dv.ddot_full_tv(logp_d, red.full_mu_k, red.sum_p_s, red.sum_p2_s, red.sum_p2))
+    lead = batch.lead_shape
+    st = TokenStats(logp=red.logp, sampled_logprob=rlp, entropy=red.entropy, sum_p2=red.sum_p2, valid=batch.valid,
+                    **_binary(logp_d, rlp, red.sum_p2))
+    return replace(_shaped(st, lead), topk=topk and _shaped(topk, lead), full=full and _shaped(full, lead),
+                   kept=kept and _shaped(kept, lead))
 
 
-def unflatten(stats: dict[str, torch.Tensor], lead_shape: tuple) -> dict[str, torch.Tensor]:
-    return {k: v.reshape(lead_shape + tuple(v.shape[1:])) for k, v in stats.items()}
+def token_stats(logits, rollout: Rollout, *, sampling: ops.Sampling | None = None, compute: ops.Compute | None = None,
+                support: str = "topk+sampled", validate: bool = True, checks=None) -> TokenStats:
+    """Every per-token statistic (:class:`TokenStats`), shaped like ``rollout.sampled_ids``.
 
-
-def token_stats(
-    logits: torch.Tensor,
-    rollout,
-    *,
-    sampling: ops.Sampling | None = None,
-    compute: ops.Compute | None = None,
-    validate: bool = True,
-    support: str = "topk+sampled",
-) -> dict[str, torch.Tensor]:
-    """Every per-token statistic of the library, shaped like ``rollout.sampled_ids``.
-
-    Args:
-        logits: (B, T, V) trainer logits (any float dtype; reduced in float32, or
-            float64 for float64 input). ``pi = softmax(logits / sampling.temperature)``.
-        rollout: :class:`pdmask.Rollout` (its top-K optional: without it there are no
-            top-K keys; its ``logits``, the rollout policy's full logits at the same
-            temperature, add the ``full_*`` keys; its ``response_mask`` marks the
-            positions to check, the others are padding, sanitised).
-        sampling: :class:`pdmask.Sampling` (None: temperature 1, no truncation); with
-            truncation (or ``rollout.kept_mask``) the statistics are those of pi
-            renormalised over the kept set, plus ``kept_mass``, ``kept_size``,
-            ``sampled_outside`` (and ``kept_topk_mismatch`` with top-K).
-        compute: :class:`pdmask.ops.Compute` (None: ``impl="auto"``, each
-            implementation's default chunk).
-        support: the support of the top-K divergences (:data:`pdmask.keys.SUPPORTS`):
-            ``"topk+sampled"`` (default) ``S' = topK ∪ {k}``; ``"topk"`` the rollout's
-            top-K alone, a sampled token outside it counted in the tail bucket (the DPPO
-            reference code, Stable-RL's ``compute_topk_kl``). docs/core.md.
-
-    Returns a dict (``log_ratio = log pi_k - log mu_k``, ``ratio = exp(log_ratio)``
-    capped at ``exp(MAX_LOG_RATIO)``):
-      ``logp`` (differentiable log pi_k), ``sampled_logprob`` (log mu_k), ``log_ratio``,
-      ``ratio``, ``entropy``, ``sum_p2``, ``binary_tv``, ``binary_kl``, ``ddot_binary_tv``,
-      ``ddot_binary_kl``; with top-K: ``topk_kl``, ``topk_tv``,
-      ``ddot_topk_{kl,tv}_{exact,aggregated,uniform,truncated}``,
-      ``rollout_tail_mass`` (mu_T), ``policy_tail_mass`` (pi_T), ``tail_clamped``
-      (sum of mu on the support exceeded 1 by rounding), ``sampled_in_topk``; with
-      ``rollout.logits``: ``full_kl``, ``full_tv``, ``ddot_full_kl``, ``ddot_full_tv``;
-      and ``valid`` (the response mask). ``Ddot`` is ``grad_{z/T} D . (e_k - pi)``.
-
-    Naive torch (binary part): ``logq = log_softmax(logits / T, -1)``;
-    ``logp = logq.gather(-1, ids[..., None])``; ``log_ratio = logp - rollout.sampled_logprob``.
-    """
+    ``logits``: (B, T, V) (reduced in float32; float64 kept), ``pi = softmax(logits /
+    sampling.temperature)``, or :class:`pdmask.Hidden` states with the LM-head weight. The
+    rollout's top-K adds the ``topk`` part, its ``logits`` (mu's) the ``full`` part, ``sampling``'s
+    truncation (or ``rollout.kept_mask``) the ``kept`` part (pi renormalised over the kept set);
+    ``support``: ``"topk+sampled"`` (``S' = topK ∪ {k}``) or ``"topk"`` (docs/core.md).
+    ``validate``: check the rollout's values (one host sync before the logits are read, one
+    after). ``checks(batch, pending)``: the caller's own checks, once the rollout is checked,
+    adding its data checks to that first sync's ``pending`` (None without ``validate``)."""
     sampling = ops.Sampling() if sampling is None else sampling
     compute = ops.Compute() if compute is None else compute
-    for name, v, cls in (("sampling", sampling, ops.Sampling), ("compute", compute, ops.Compute)):
+    for name, v, cls in (("sampling", sampling, ops.Sampling), ("compute", compute, ops.Compute),
+                         ("rollout", rollout, Rollout)):
         if not isinstance(v, cls):
-            raise ValueError(f"{name}: must be a pdmask.{cls.__name__} (or None), got {type(v).__name__}")
-    if not isinstance(rollout, Rollout):
-        raise ValueError(f"rollout: must be a pdmask.Rollout, got {type(rollout).__name__}")
+            raise SpecError(name, f"must be a pdmask.{cls.__name__} (or None), got {type(v).__name__}")
     check_choice("support", support, SUPPORTS)
-    ops.check_truncation(compute.impl, sampling, rollout.kept_mask, rollout.logits, rollout=True)
-    batch = prepare(logits, rollout, validate)
-    st = stats_from_batch(batch, sampling=sampling, compute=compute, validate=validate, support=support)
-    return unflatten(st, batch.lead_shape)
+    hidden = isinstance(logits, ops.Hidden)
+    x = logits.hidden if hidden else logits
+    if not hidden and (not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2):
+        raise SpecError("logits", "expected a floating-point (B, T, V) or (N, V) tensor, got "
+                                  f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if hidden and rollout.logits is not None:
+        raise SpecError("rollout.logits", "the *-full-* modes are not available from hidden states")
+    lead, V = tuple(x.shape[:-1]), (logits.weight.shape[0] if hidden else x.shape[-1])
+    ops.check_truncation(compute.impl, sampling, rollout.kept_mask, rollout.logits, prefix="rollout.")
+    pending = Checks() if validate else None
+    batch = prepare(lead, V, x.device, rollout, validate, pending)
+    if hidden and validate:  # else a bad weight shows only as non-finite rows of the hidden states
+        pending.add("lm_head_weight", "contains NaN or inf", ~torch.isfinite(logits.weight).all())
+    if checks is not None:
+        checks(batch, pending)
+    if validate:
+        pending.run()  # the one sync before the logits are read: the rollout's checks and the caller's
+    src = ops.Hidden(x.reshape(-1, x.shape[-1]), logits.weight) if hidden else x.reshape(-1, V)
+    red = ops.row_stats(src, batch.sampled_ids, batch.topk_ids, sampling=sampling, compute=compute,
+                        rollout_logits=batch.rollout_logits, kept_mask=batch.kept_mask, validate=False)
+    if validate:  # one host sync, made only when validating (off on a trusted hot path)
+        after = Checks()
+        after.add("hidden" if hidden else "logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
+                  (~torch.isfinite(red.lse) & batch.valid).any())
+        if batch.rollout_logits is not None:
+            bad = ~(torch.isfinite(red.full_tv) & torch.isfinite(red.full_mu_k))
+            after.add("rollout.logits", "a response row has no finite logit (all -inf, or NaN/inf values)",
+                      (bad & batch.valid).any())
+        after.run()
+    return _assemble(red.padded(batch.valid, V), batch, support)

@@ -1,10 +1,12 @@
-"""The core hook of the batch-aware mask: ``batch_ddot=`` and the ``pdm-batch-*`` modes."""
+"""The core's extension point as the batch-aware mask uses it: the ``pdm-batch-*`` modes that
+:mod:`pdmask.batchmask` registers read its direction as the per-token extra ``ddot_batch``
+(``extras=``; the tests' flat ``batch_ddot=`` keyword)."""
 
 import pytest
 import torch
 
 import pdmask
-from pdmask.keys import BATCH_DDOT
+from pdmask.batchmask import DDOT as BATCH_DDOT
 from tests import flat  # noqa: E402
 
 
@@ -62,7 +64,7 @@ def test_batch_ddot_is_kept_in_the_stats_of_any_mode_and_never_changes_another_m
 def test_batch_modes_refuse_without_batch_ddot(mode):
     args, _ = _batch()
     for fn in (pdmask.policy_loss, pdmask.trust_region_mask):
-        with pytest.raises(ValueError, match=r"^batch_ddot: mode .* needs the batch direction") as e:
+        with pytest.raises(ValueError, match=r"^extras: mode .* reads the per-token tensor 'ddot_batch'") as e:
             fn(*args[:1], flat.rollout(**dict(zip(flat.POSITIONAL, args[1:]))), args[5], mode=mode)
         assert "\n" not in str(e.value)
 
@@ -70,14 +72,34 @@ def test_batch_modes_refuse_without_batch_ddot(mode):
 def test_bad_batch_ddot_gets_one_line_errors_and_padding_junk_is_ignored():
     args, bd = _batch()
     mode = "pdm-batch-topk-kl"
-    for bad, msg in [(bd[:, :-1], "expected shape"), (bd.long(), "floating-point"), ([0.0], "floating-point")]:
-        with pytest.raises(ValueError, match=f"^batch_ddot: .*{msg}"):
+    for bad, msg in [(bd[:, :-1], "of shape"), (bd.long(), "floating-point"), ([0.0], "floating-point")]:
+        with pytest.raises(ValueError, match=rf"^extras\['ddot_batch'\]: .*{msg}"):
             flat.policy_loss(*args, mode=mode, batch_ddot=bad)
     nan = bd.clone()
     nan[1, 2] = float("nan")
-    with pytest.raises(ValueError, match="^batch_ddot: contains NaN or inf on response tokens"):
+    with pytest.raises(ValueError, match=r"^extras\['ddot_batch'\]: contains NaN or inf on response tokens"):
         flat.policy_loss(*args, mode=mode, batch_ddot=nan)
     pad = bd.clone()
     pad[0, -1] = float("nan")  # a padding position
     out = flat.policy_loss(*args, mode=mode, batch_ddot=pad)
     assert torch.isfinite(out.loss)
+
+
+def test_the_batch_modes_are_registered_by_the_batch_mask_not_by_import_pdmask():
+    """``import pdmask`` loads no batch mask and knows no ``pdm-batch-*`` mode; importing
+    ``pdmask.batchmask`` registers them on the core's extension point (``MaskMode.extras``)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, pdmask\n"
+            "assert not [m for m in sys.modules if m.startswith('pdmask.batchmask')]\n"
+            "assert not [m for m in pdmask.MODES if m.startswith('pdm-batch-')]\n"
+            "import pdmask.batchmask\n"
+            "modes = [m for m in pdmask.MODES if m.startswith('pdm-batch-')]\n"
+            "assert len(modes) == 4 and all(pdmask.MODES[m].extras == ('ddot_batch',) for m in modes), modes\n"
+            "print('ok')\n")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

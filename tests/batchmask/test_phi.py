@@ -38,7 +38,7 @@ def test_phi_value_is_the_cores_and_its_gradient_is_autograds(divergence, temper
     st = flat.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
                             response_mask=batch["response_mask"], temperature=temperature)
     value = (st[divergence] * weight).sum()
-    b = prepare(z, flat.rollout(sampled_ids=k, **batch), validate=False)
+    b = prepare(tuple(z.shape[:-1]), z.shape[-1], z.device, flat.rollout(sampled_ids=k, **batch), validate=False)
     x = z.clone().requires_grad_()
     phi = out_of_region_divergence(x.reshape(-1, z.shape[-1]), value, weight.reshape(-1).to(F64), b.sampled_ids,
                                    b.sampled_logprob, b.topk_ids, b.topk_logprobs, divergence=divergence,
@@ -57,7 +57,7 @@ def test_phi_gradient_has_the_logits_dtype_and_no_nan_in_bf16():
     z, k, batch, weight = _case(peaked=60.0)  # pi_T underflows: autograd through log(1 - sum) gives NaN
     st = flat.token_stats(z, k, batch["rollout_logprob"], batch["rollout_topk_ids"], batch["rollout_topk_logprobs"],
                             response_mask=batch["response_mask"])
-    b = prepare(z, flat.rollout(sampled_ids=k, **batch), validate=False)
+    b = prepare(tuple(z.shape[:-1]), z.shape[-1], z.device, flat.rollout(sampled_ids=k, **batch), validate=False)
     x = z.to(torch.bfloat16).requires_grad_()
     out_of_region_divergence(x.reshape(-1, z.shape[-1]), (st["topk_kl"] * weight).sum().float(),
                              weight.reshape(-1).float(), b.sampled_ids, b.sampled_logprob, b.topk_ids,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tests import flat  # noqa: E402
 
@@ -79,3 +81,30 @@ def full_kl_fn(mu, pi):
 
 def full_tv_fn(mu, pi):
     return 0.5 * (mu - pi).abs().sum(-1)
+
+
+def ddot_autograd(
+    divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    mu: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``Ddot`` of any divergence through autograd: ``grad_z D(mu, softmax(z)) . (e_k - pi)``.
+
+    ``divergence(mu, pi)`` maps (N, V) probabilities (``mu`` may be None if the
+    function closes over what it needs) to (N,) values. ``z = logits / temperature``
+    and the derivative is taken with respect to ``z`` (a positive rescaling of the
+    logit step, which does not change any sign). Slow and memory-hungry by design: the
+    test oracle of every closed form.
+    """
+    z = (logits.detach().to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / temperature)
+    z = z.reshape(-1, z.shape[-1]).requires_grad_(True)
+    pi = torch.softmax(z, -1)
+    m = None if mu is None else mu.reshape(-1, mu.shape[-1]).to(z.dtype)
+    d = divergence(m, pi)
+    (g,) = torch.autograd.grad(d.sum(), z)
+    u = -pi.detach()
+    u.scatter_add_(1, sampled_ids.reshape(-1, 1).long(), torch.ones_like(u[:, :1]))
+    return (g * u).sum(-1).reshape(sampled_ids.shape)

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-import pdmask
-from pdmask.directions import ESTIMATORS
+from pdmask.keys import ESTIMATORS
 
-from .helpers import F64, full_kl_fn, full_tv_fn, make_case, stats_of, topk_divergence_fn
+from .helpers import F64, ddot_autograd, full_kl_fn, full_tv_fn, make_case, stats_of, topk_divergence_fn
 
 SHAPES = [  # (N, V, K, scale, mismatch, peaked_rows)
     (8, 30, 4, 1.5, 0.5, 0),  # generic
@@ -42,7 +41,7 @@ def test_full_ddot_equals_autograd(shape, temperature):
     st = stats_of(c)
     mu = c["logmu"].exp()
     for name, fn in (("kl", full_kl_fn), ("tv", full_tv_fn)):
-        want = pdmask.ddot_autograd(fn, c["logits"], c["sampled_ids"], mu, temperature=temperature)
+        want = ddot_autograd(fn, c["logits"], c["sampled_ids"], mu, temperature=temperature)
         torch.testing.assert_close(st[f"ddot_full_{name}"], want, rtol=1e-8, atol=1e-12)
 
 
@@ -53,7 +52,7 @@ def test_exact_topk_ddot_equals_autograd_of_topk_divergence(shape):
     c = make_case(N, V, K, scale=sc, mismatch=mm, peaked_rows=pk, seed=3)
     st = stats_of(c)
     for kind in ("kl", "tv"):
-        want = pdmask.ddot_autograd(topk_divergence_fn(c, kind), c["logits"], c["sampled_ids"])
+        want = ddot_autograd(topk_divergence_fn(c, kind), c["logits"], c["sampled_ids"])
         torch.testing.assert_close(st[f"ddot_topk_{kind}_exact"], want, rtol=1e-7, atol=1e-11)
 
 
@@ -113,7 +112,7 @@ def test_binary_predictive_direction_equals_ratio_direction_on_every_token():
                 return (pk - mu_k).abs()
             return mu_k * torch.log(mu_k / pk) + (1 - mu_k) * torch.log((1 - mu_k) / (1 - pk))
 
-        want = pdmask.ddot_autograd(fn, c["logits"], k)
+        want = ddot_autograd(fn, c["logits"], k)
         ok = torch.isfinite(want)  # the naive oracle is 0 * log 0 = NaN where mu_k rounds to 1
         assert ok.float().mean() > 0.95
         torch.testing.assert_close(st[f"ddot_{name}"][ok], want[ok], rtol=1e-6, atol=1e-12)
@@ -128,7 +127,7 @@ def test_ddot_autograd_accepts_any_divergence():
     def hellinger(m, p):
         return 0.5 * ((m.sqrt() - p.sqrt()) ** 2).sum(-1)
 
-    got = pdmask.ddot_autograd(hellinger, c["logits"], c["sampled_ids"], mu)
+    got = ddot_autograd(hellinger, c["logits"], c["sampled_ids"], mu)
     pi = torch.softmax(c["logits"], -1)
     g = 0.5 * (1 - (mu / pi).sqrt())  # dD/dpi
     gbar = (pi * g).sum(-1, keepdim=True)

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.masks import MaskMode, divergence_region, predictive, ratio_sign, smooth_weight
-from pdmask.surrogates import advantage_limit, token_loss
+from pdmask.masks import (
+    MaskMode, advantage_limit, divergence_region, predictive, ratio_sign, smooth_weight, token_loss,
+)
 
 from .helpers import make_case
 from tests import flat  # noqa: E402

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdmask
+import pdmask.batchmask  # noqa: F401  (its modes are drawn too)
 from pdmask.masks import SMOOTH_SURROGATES
 from tests import flat  # noqa: E402
 
@@ -39,12 +40,12 @@ def cases(draw):
     agg = draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                 "seq-mean-token-sum-norm"]))
     est = draw(st.sampled_from(list(pdmask.ESTIMATORS)))
-    support = "topk+sampled" if "batch" in pdmask.get_mode(mode).needs else draw(st.sampled_from(pdmask.SUPPORTS))
+    support = "topk+sampled" if pdmask.get_mode(mode).extras else draw(st.sampled_from(pdmask.SUPPORTS))
     resp = torch.rand(B, T, generator=g) < 0.8
     return dict(logits=z.to(dtype), ids=k, lp=logmu.gather(-1, k[..., None]).squeeze(-1).float(),
                 tk=top.indices, tlp=top.values.float(), adv=torch.randn(B, generator=g) * 3, resp=resp,
                 mode=mode, agg=agg, est=est, support=support, T=draw(st.sampled_from([1.0, 0.6, 1.7])),
-                bd=torch.randn(B, T, generator=g) if "batch" in pdmask.get_mode(mode).needs else None)
+                bd=torch.randn(B, T, generator=g) if pdmask.get_mode(mode).extras else None)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

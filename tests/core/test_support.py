@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.directions import ESTIMATORS
+from pdmask.keys import ESTIMATORS
 
-from .helpers import F64, make_case, stats_of
+from .helpers import F64, ddot_autograd, make_case, stats_of
 
 TOPK = "topk"
 
@@ -73,7 +73,7 @@ def test_topk_support_equals_stable_rl_on_random_batches():
     assert (d["topk_kl"] >= st["topk_kl"] - 1e-12).all() and (d["topk_tv"] >= st["topk_tv"] - 1e-12).all()
 
 
-@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("impl", ["torch", "auto"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_topk_support_equals_stable_rl_on_every_path(impl, seed):
     z, r = random_batch(B=2, T=5, seed=seed)
@@ -187,7 +187,7 @@ def test_topk_support_values_and_exact_ddot_equal_autograd(shape):
     for kind in ("kl", "tv"):
         fn = topk_only_fn(c, kind)
         torch.testing.assert_close(st[f"topk_{kind}"], fn(None, pi), rtol=1e-9, atol=1e-12)
-        want = pdmask.ddot_autograd(fn, c["logits"], c["sampled_ids"])
+        want = ddot_autograd(fn, c["logits"], c["sampled_ids"])
         torch.testing.assert_close(st[f"ddot_topk_{kind}_exact"], want, rtol=1e-7, atol=1e-11)
     # the tail now holds k: pi_T and mu_T include pi_k and mu_k where k is outside
     d = stats_of(c)
@@ -249,7 +249,10 @@ def test_unknown_support_is_one_line_listing_the_valid_values(call):
 
 
 def test_support_refused_where_it_cannot_apply():
-    with pytest.raises(ValueError, match=r"^support: mode 'pdm-batch-topk-kl' builds its batch direction"):
+    import pdmask.batchmask  # noqa: F401  (registers the pdm-batch-* modes)
+
+    with pytest.raises(ValueError, match=r"^support: mode 'pdm-batch-topk-kl' works on the support topk\+sampled "
+                                         r"only, not 'topk'"):
         pdmask.PolicyLoss(mode="pdm-batch-topk-kl", support=TOPK)
     spec = pdmask.PolicyLoss(mode="dppo-topk-kl", support=TOPK)
     z, r = issue_example()

@@ -1,7 +1,7 @@
 """Truncated sampling against a simulated engine with known truncation.
 
 The engine holds logits y, samples with top-p / top-k / min-p (vLLM's steps, transcribed in
-``pdmask.ops._reference.vllm_kept_mask``) from ``mu' = softmax(y)`` renormalised over its
+``tests/ops/reference.py``'s ``vllm_kept_mask``) from ``mu' = softmax(y)`` renormalised over its
 kept set S, and reports vLLM's processed log-probs: ``log mu'_k`` and the top-K of mu'
 (-inf beyond |S|). Without the correction the trainer's full-vocabulary pi gives
 ``r = pi_k / mu'_k``, whose on-policy value is ``pi(S) < 1`` on every token (the known
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.ops._reference import vllm_kept_mask
+from tests.ops.reference import vllm_kept_mask
 from tests import flat  # noqa: E402
 
 F64 = torch.float64
@@ -184,7 +184,7 @@ JUNK = [math.nan, math.inf, -math.inf, "mixed"]
 
 @pytest.mark.parametrize("trunc", [dict(sampling_top_p=0.9), dict(sampling_top_k=4)], ids=str)
 @pytest.mark.parametrize("junk", JUNK, ids=str)
-@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("impl", ["torch", "auto"])
 def test_truncated_sampling_gives_nan_inf_padding_rows_zero_gradient(trunc, junk, impl):
     """Issue 30: padding may hold anything; under truncation too its rows get exactly 0 and the
     response rows the gradient of a batch with finite padding (before the fix: NaN everywhere)."""

@@ -136,7 +136,7 @@ def test_vllm_padding_and_pad_to():
     logits = _logits(seed=7)
     outs, _ = F.vllm_sample(logits, [2, 0, 1], k=2)
     r = from_vllm_outputs(outs, k=2, pad_to=4, pad_id=-1)
-    assert r.sampled_ids.shape == (3, 4) and r.lengths.tolist() == [2, 0, 1]
+    assert r.sampled_ids.shape == (3, 4) and r.response_mask.sum(-1).tolist() == [2, 0, 1]
     assert (r.sampled_ids[~r.response_mask] == -1).all()
     assert (r.sampled_logprob[~r.response_mask] == 0).all()
     assert torch.isinf(r.topk_logprobs[~r.response_mask]).all()

@@ -199,9 +199,10 @@ CASES = [
     *[(f"device {n}", None, _meta(n), n) for n in
       ("sampled_ids", "rollout_logprob", "rollout_topk_ids", "rollout_topk_logprobs", "advantages", "response_mask")],
     ("device rollout_logits", None, dict(mode="pdm-full-kl", **_meta("rollout_logits")), "rollout_logits"),
-    ("device batch_ddot", None, dict(batch_ddot=torch.empty(B, T, device="meta")), "batch_ddot"),
-    ("batch_ddot inf", None, dict(batch_ddot=with_("advantages", (0, 0), math.inf)), "batch_ddot"),
-    ("batch_ddot nan", None, dict(batch_ddot=with_("advantages", (1, 1), math.nan)), "batch_ddot"),
+    # a mode's per-token extra (the batch mask's direction; the tests' flat ``batch_ddot``)
+    ("device batch_ddot", None, dict(batch_ddot=torch.empty(B, T, device="meta")), "extras['ddot_batch']"),
+    ("batch_ddot inf", None, dict(batch_ddot=with_("advantages", (0, 0), math.inf)), "extras['ddot_batch']"),
+    ("batch_ddot nan", None, dict(batch_ddot=with_("advantages", (1, 1), math.nan)), "extras['ddot_batch']"),
     # scalar hyperparameters
     ("eps_low 1", None, dict(mode="grpo", eps_low=1.0), "eps_low"),
     ("eps_low 1.5", None, dict(mode="grpo", eps_low=1.5), "eps_low"),
@@ -249,7 +250,7 @@ def test_trust_region_mask_refuses(cid, base, over, arg):
     assert str(e.value).startswith(arg + ":"), str(e.value)
 
 
-STATS = [c for c in SHARED if c[3] not in ("advantages", "batch_ddot", "eps_low", "eps_high", "delta_low",
+STATS = [c for c in SHARED if c[3] not in ("advantages", "extras['ddot_batch']", "eps_low", "eps_high", "delta_low",
                                            "delta_high")
          and "device batch" not in c[0]]
 
@@ -372,7 +373,7 @@ def test_advantages_that_would_overflow_the_loss_are_refused(cid, adv, mode):
 def test_advantages_below_the_bound_give_a_finite_loss_and_gradient():
     """The bound is a guarantee: just below it the loss (and here its gradient) is finite;
     in float64 the same 1e38 advantages are representable and accepted."""
-    from pdmask.loss import advantage_limit
+    from pdmask.masks import advantage_limit
 
     for mode, surrogate in (("pdm-topk-kl", "dppo"), ("grpo", "ppo-clip")):
         limit = advantage_limit(surrogate, 5.0, torch.float32)

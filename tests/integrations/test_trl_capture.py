@@ -53,7 +53,7 @@ def test_recorded_topk_is_the_sampling_distribution(T, top_k, top_p, K):
     enc, out, r, comp, P = _generate(model, tok, gc, K)
     S = len(out.scores)
     assert r.topk_ids.shape == (3, S, K)
-    assert r.lengths.tolist() == [len(c) for c in comp]
+    assert r.response_mask.sum(-1).tolist() == [len(c) for c in comp]
     # 1) against generate's own processed scores (after temperature and the warpers)
     for t in range(S):
         ref = torch.log_softmax(out.scores[t].float(), -1)  # (B, V)

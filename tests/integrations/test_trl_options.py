@@ -157,7 +157,7 @@ def _listed_modes(tmp_path) -> list[str]:
     with pytest.raises(ValueError) as e:
         H.config(tmp_path, mask_mode="nope")
     msg = str(e.value)
-    head = "mask_mode: unknown mode 'nope'; valid modes are: "
+    head = "mask_mode: unknown value 'nope'; valid values are: "
     assert msg.startswith(head) and "\n" not in msg, msg
     return msg[len(head):].split(", ")
 

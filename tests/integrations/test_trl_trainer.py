@@ -146,7 +146,7 @@ def test_vllm_path_picks_the_sampled_token(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [
     ({"mask_mode": "pdm-full-kl"}, "full logits"),
-    ({"mask_mode": "nope"}, "^mask_mode: unknown mode"),
+    ({"mask_mode": "nope"}, "^mask_mode: unknown value 'nope'; valid values are: grpo"),
     ({"mask_mode": "pdm-topk-kl", "rollout_top_k": 0}, "K >= 1"),
     ({"loss_type": "cispo"}, "loss_type"),
     ({"beta": 0.04, "top_p": 0.9}, "beta"),

@@ -173,3 +173,62 @@ def assert_tail_agrees(got, x, k, topk_ids, dtype, temperature=1.0, keep=None):
     tiny = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny
     torch.testing.assert_close(got["sum_p2_tail"].double(), want_p2, rtol=16 * ceps * zmax, atol=tiny,
                                msg=lambda m: f"sum_p2_tail: {m}")
+
+
+# ------------------------------------------------------------------ calling the op in the tests' flat spelling
+def row_stats(logits, sampled_ids, topk_ids=None, *, temperature=1.0, impl="auto", chunk_rows=None, validate=True,
+              rollout_logits=None, truncation=None, kept_mask=None) -> dict:
+    """:func:`pdmask.ops.row_stats` (``logits``: (N, V), or a :class:`pdmask.ops.Hidden`) as a dict of the fields it computed, from flat keywords;
+    ``impl="reference"`` is the tests' plain-torch oracle (``tests/ops/reference.py``), which
+    the library no longer ships. ``truncation``: a Sampling whose top_k / top_p / min_p apply."""
+    from dataclasses import fields
+
+    from pdmask import ops
+
+    from tests.ops import reference
+
+    trunc = {} if truncation is None else {k: getattr(truncation, k) for k in ("top_k", "top_p", "min_p")}
+    if impl == "reference":
+        if trunc or kept_mask is not None:
+            return reference.truncated_row_stats(logits, sampled_ids, topk_ids, temperature=temperature,
+                                                 kept_mask=kept_mask, **trunc)
+        return reference.row_stats(logits, sampled_ids, topk_ids, temperature=temperature, chunk_rows=chunk_rows,
+                                   rollout_logits=rollout_logits)
+    red = ops.row_stats(logits, sampled_ids, topk_ids, sampling=ops.Sampling(temperature, **trunc),
+                        compute=ops.Compute(impl, chunk_rows), rollout_logits=rollout_logits, kept_mask=kept_mask,
+                        validate=validate)
+    return {f.name: getattr(red, f.name) for f in fields(red) if getattr(red, f.name) is not None}
+
+
+def hidden_row_stats(hidden, weight, sampled_ids, topk_ids=None, **kw) -> dict:
+    """:func:`row_stats` of the :class:`pdmask.ops.Hidden` source ``hidden @ weight.T``."""
+    from pdmask import ops
+
+    return row_stats(ops.Hidden(hidden, weight), sampled_ids, topk_ids, **kw)
+
+
+def oracle_rows():
+    """A context in which :func:`pdmask.ops.row_stats` is the tests' plain-torch oracle
+    (``impl="reference"`` of :func:`row_stats`, the same :class:`pdmask.ops.Reductions`): the
+    core's statistics and loss on the oracle's reductions, to compare the op's against."""
+    import contextlib
+
+    from pdmask import ops
+
+    def oracle(source, sampled_ids, topk_ids=None, *, sampling=None, compute=None, rollout_logits=None,
+               kept_mask=None, validate=True):
+        s = ops.Sampling() if sampling is None else sampling
+        x = source.hidden @ source.weight.T if isinstance(source, ops.Hidden) else source
+        return ops.Reductions(**row_stats(x, sampled_ids, topk_ids, temperature=s.temperature, impl="reference",
+                                          rollout_logits=rollout_logits, kept_mask=kept_mask,
+                                          truncation=s if s.truncated else None))
+
+    @contextlib.contextmanager
+    def swapped():
+        real, ops.row_stats = ops.row_stats, oracle
+        try:
+            yield
+        finally:
+            ops.row_stats = real
+
+    return swapped()

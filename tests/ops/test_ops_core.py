@@ -1,12 +1,16 @@
-"""The core API routed through pdmask.ops: every mode and statistic agrees between the
-fused torch path and the reference path, values and gradients."""
+"""The core API routed through pdmask.ops: every mode and statistic agrees between the op's
+reductions and the tests' plain-torch oracle's (``oracle_rows``), values and gradients."""
+
+import contextlib
 
 import pytest
 import torch
 
 import pdmask
-from pdmask.ops import FULL_KEYS
+import pdmask.batchmask  # noqa: F401  (its modes are every mode too)
 from tests import flat  # noqa: E402
+
+from _ops_cases import oracle_rows
 
 
 def _batch(dtype, *, B=3, T=6, V=64, K=5, seed=0, temperature=1.0):
@@ -37,8 +41,9 @@ def test_token_stats_all_keys_agree(dtype, temperature):
     b = _batch(dtype, temperature=temperature)
     args = {k: b[k] for k in ("logits", "sampled_ids", "rollout_logprob", "rollout_topk_ids",
                                "rollout_topk_logprobs")}
-    ref = flat.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
-                             temperature=temperature, impl="reference")
+    with oracle_rows():
+        ref = flat.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
+                               temperature=temperature)
     got = flat.token_stats(**args, response_mask=b["response_mask"], rollout_logits=b["rollout_logits"],
                              temperature=temperature, impl="torch", chunk_size=4)
     assert set(got) == set(ref)
@@ -58,14 +63,15 @@ def test_policy_loss_every_mode_value_grad_mask(mode, dtype):
     full = "full" in pdmask.get_mode(mode).needs
     # the batch modes' direction comes from the model (pdmask.batchmask); any signed (B, T) will do here
     bd = torch.randn(b["sampled_ids"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    bd = bd if "batch" in pdmask.get_mode(mode).needs else None
+    bd = bd if pdmask.get_mode(mode).extras else None
     outs, grads = {}, {}
     for impl in ("reference", "torch", "auto"):
         x = b["logits"].clone().requires_grad_()
-        out = flat.policy_loss(
-            x, b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"], b["rollout_topk_logprobs"],
-            b["advantages"], b["response_mask"], mode=mode, rollout_logits=b["rollout_logits"] if full else None,
-            delta_low=0.02, delta_high=0.02, impl=impl, batch_ddot=bd)
+        with oracle_rows() if impl == "reference" else contextlib.nullcontext():
+            out = flat.policy_loss(
+                x, b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"], b["rollout_topk_logprobs"],
+                b["advantages"], b["response_mask"], mode=mode, rollout_logits=b["rollout_logits"] if full else None,
+                delta_low=0.02, delta_high=0.02, impl="torch" if impl == "reference" else impl, batch_ddot=bd)
         out.loss.backward()
         outs[impl], grads[impl] = out, x.grad
     ref = outs["reference"]
@@ -86,17 +92,18 @@ def test_trust_region_mask_impls_agree_and_mask_something():
     b = _batch(torch.float32, seed=5)
     args = (b["logits"], b["sampled_ids"], b["rollout_logprob"], b["rollout_topk_ids"],
             b["rollout_topk_logprobs"], b["advantages"], b["response_mask"])
-    ref = flat.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="reference")
+    with oracle_rows():
+        ref = flat.trust_region_mask(*args, delta_low=0.01, delta_high=0.01)
     got = flat.trust_region_mask(*args, delta_low=0.01, delta_high=0.01, impl="torch")
     assert (~ref).any() and torch.equal(got, ref)
 
 
-def test_full_keys_come_from_reference_and_match():
+def test_full_part_is_there_with_the_rollout_logits_only():
     b = _batch(torch.float64)
-    st = flat.token_stats(b["logits"], b["sampled_ids"], b["rollout_logprob"], rollout_logits=b["rollout_logits"],
-                            impl="torch")
-    assert {"full_kl", "full_tv", "ddot_full_kl", "ddot_full_tv"} <= set(st)
-    assert len(FULL_KEYS) == 6
+    args = (b["logits"], b["sampled_ids"], b["rollout_logprob"])
+    st = flat.token_stats(*args, rollout_logits=b["rollout_logits"], impl="torch")
+    assert {"full_kl", "full_tv", "ddot_full_kl", "ddot_full_tv"} <= set(st) and st.full is not None
+    assert flat.token_stats(*args, impl="torch").full is None
 
 
 def test_impl_and_chunk_size_are_validated():

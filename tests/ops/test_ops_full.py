@@ -4,11 +4,10 @@ reference, values and gradient of ``log pi_k``."""
 
 import pytest
 import torch
-from _ops_cases import make_ids, make_logits, tol, zmax_of
+from _ops_cases import make_ids, make_logits, row_stats, tol, zmax_of
 
-from pdmask import ops
-from pdmask.ops import _reference
-from pdmask.ops._reference import FULL_KEYS, reduce_rows
+from tests.ops import reference as _reference
+from tests.ops.reference import FULL_KEYS, reduce_rows
 
 
 def _pair(N, V, dtype, kind="random", seed=0):
@@ -36,7 +35,7 @@ def test_torch_full_keys_match_reference(dtype, kind, temperature):
     k, tk = make_ids(N, V, K)
     if kind == "neginf":
         k = torch.where(x.gather(1, k[:, None])[:, 0].isneginf(), torch.zeros_like(k), k)
-    got = ops.row_stats(x, k, tk, temperature=temperature, chunk_rows=4, impl="torch", rollout_logits=xr)
+    got = row_stats(x, k, tk, temperature=temperature, chunk_rows=4, impl="torch", rollout_logits=xr)
     ref = reduce_rows(x, k, tk, temperature=temperature, rollout_logits=xr, chunk_rows=3)
     assert set(FULL_KEYS) <= set(got)
     _agree(got, ref, dtype, zmax_of(x, temperature))
@@ -54,10 +53,10 @@ def test_torch_path_reads_the_logits_once(monkeypatch):
 
     monkeypatch.setattr(_reference, "reduce_rows", boom)
     monkeypatch.setattr(_reference, "full_rows", boom)
-    got = ops.row_stats(x, k, tk, impl="torch", rollout_logits=xr)
+    got = row_stats(x, k, tk, impl="torch", rollout_logits=xr)
     _agree(got, ref, torch.float32, zmax_of(x, 1.0))
     xg = x.clone().requires_grad_()
-    got_g = ops.row_stats(xg, k, tk, impl="torch", rollout_logits=xr)
+    got_g = row_stats(xg, k, tk, impl="torch", rollout_logits=xr)
     _agree(got_g, ref, torch.float32, zmax_of(x, 1.0))
     assert not any(got_g[key].requires_grad for key in FULL_KEYS)
 
@@ -71,7 +70,7 @@ def test_gradient_unchanged_by_rollout_logits(dtype):
     grads = []
     for rl in (None, xr):
         xg = x.clone().requires_grad_()
-        out = ops.row_stats(xg, k, tk, impl="torch", chunk_rows=3, rollout_logits=rl)
+        out = row_stats(xg, k, tk, impl="torch", chunk_rows=3, rollout_logits=rl)
         (out["logp"] * g.to(out["logp"].dtype)).sum().backward()
         grads.append(xg.grad)
     assert torch.equal(grads[0], grads[1])
@@ -81,4 +80,4 @@ def test_rollout_logits_shape_is_checked():
     x, xr = _pair(4, 20, torch.float32)
     k, _ = make_ids(4, 20, None)
     with pytest.raises(ValueError, match="^rollout_logits:"):
-        ops.row_stats(x, k, rollout_logits=xr[:, :10], impl="torch")
+        row_stats(x, k, rollout_logits=xr[:, :10], impl="torch")

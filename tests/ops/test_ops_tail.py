@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _ops_cases import PI_TAILS, assert_tail_agrees, naive_tail, tail_case
+from _ops_cases import PI_TAILS, assert_tail_agrees, hidden_row_stats, naive_tail, row_stats, tail_case
 
 from pdmask import ops
 
@@ -27,17 +27,17 @@ def test_logits_paths(dtype, impl, T):
     if dtype == torch.float16:  # the lifted logits reach ~90: float16 holds them (spacing 1/16)
         assert tail_case(dtype=torch.float64)[0].abs().max() < 200
     x, k, tk = tail_case(dtype=dtype, seed=1)
-    got = ops.row_stats(x, k, tk, temperature=T, impl=impl, chunk_rows=3)
+    got = row_stats(x, k, tk, temperature=T, impl=impl, chunk_rows=3)
     assert_tail_agrees(got, x, k, tk, dtype, T)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:3], ids=str)
-@pytest.mark.parametrize("chunk_cols", [None, 37])
-def test_hidden_path(dtype, chunk_cols):
+@pytest.mark.parametrize("chunk_rows", [None, 37])
+def test_hidden_path(dtype, chunk_rows):
     """logits = h @ I: the identity weight makes the hidden path's logits exactly x."""
     x, k, tk = tail_case(dtype=dtype, seed=2, V=120)
     W = torch.eye(120, dtype=dtype)
-    got = ops.hidden_row_stats(x, W, k, tk, chunk_cols=chunk_cols, temperature=0.9)
+    got = hidden_row_stats(x, W, k, tk, chunk_rows=chunk_rows, temperature=0.9)
     assert_tail_agrees(got, x, k, tk, dtype, 0.9)
 
 
@@ -49,9 +49,9 @@ def test_truncated_sampling(dtype, impl):
     g = torch.Generator().manual_seed(4)
     keep = torch.rand(x.shape, generator=g) > 0.2  # the engine dropped a fifth of the vocabulary
     if impl == "hidden":
-        got = ops.hidden_row_stats(x, torch.eye(x.shape[1], dtype=dtype), k, tk, kept_mask=keep, chunk_rows=4)
+        got = hidden_row_stats(x, torch.eye(x.shape[1], dtype=dtype), k, tk, kept_mask=keep, chunk_rows=4)
     else:
-        got = ops.row_stats(x, k, tk, impl=impl, kept_mask=keep, chunk_rows=4)
+        got = row_stats(x, k, tk, impl=impl, kept_mask=keep, chunk_rows=4)
     keep = keep.clone().scatter_(1, k[:, None], True)  # the sampled token always joins the set
     assert_tail_agrees(got, x, k, tk, dtype, keep=keep)
 
@@ -59,13 +59,13 @@ def test_truncated_sampling(dtype, impl):
 def test_rule_truncation_and_empty_tails():
     """top-k truncation that keeps only S' (an empty tail: -inf, 0) next to one that keeps more."""
     x, k, tk = tail_case(dtype=torch.float32, seed=5)
-    got = ops.row_stats(x, k, tk, impl="torch", truncation=ops.Sampling(top_k=200))
+    got = row_stats(x, k, tk, impl="torch", truncation=ops.Sampling(top_k=200))
     keep = ops.sampling_kept_mask(x.float(), top_k=200).scatter_(1, k[:, None], True)
     assert_tail_agrees(got, x, k, tk, torch.float32, keep=keep)
     V = x.shape[1]
     full = torch.arange(V).expand(2, V)  # K = V: S' is everything
     for impl in ("torch", "reference"):
-        out = ops.row_stats(x[:2], k[:2], full, impl=impl)
+        out = row_stats(x[:2], k[:2], full, impl=impl)
         assert torch.isneginf(out["lse_tail"]).all() and (out["sum_p2_tail"] == 0).all()
 
 
@@ -74,7 +74,7 @@ def test_nan_rows_stay_nan_and_all_neg_inf_rows_are_empty():
     x[1] = math.nan
     x[2] = -math.inf
     for impl in ("torch", "reference"):
-        out = ops.row_stats(x, k, tk, impl=impl)
+        out = row_stats(x, k, tk, impl=impl)
         assert torch.isnan(out["lse_tail"][1]) and torch.isneginf(out["lse_tail"][2])
         assert out["sum_p2_tail"][2] == 0
         rows = torch.tensor([0] + list(range(3, x.shape[0])))
@@ -100,13 +100,13 @@ def test_tails_survive_flushed_subnormals(flush_to_zero, dtype, path):
     x, k, tk = tail_case(dtype=dtype, seed=7)
     keep = None
     if path == "torch":
-        got = ops.row_stats(x, k, tk, impl="torch")
+        got = row_stats(x, k, tk, impl="torch")
     elif path == "hidden":
-        got = ops.hidden_row_stats(x, torch.eye(x.shape[1], dtype=dtype), k, tk)
+        got = hidden_row_stats(x, torch.eye(x.shape[1], dtype=dtype), k, tk)
     else:
         keep = torch.ones(x.shape, dtype=torch.bool)
         keep[:, :5] = False
-        got = ops.row_stats(x, k, tk, impl="torch", kept_mask=keep)
+        got = row_stats(x, k, tk, impl="torch", kept_mask=keep)
         keep[torch.arange(len(k)), k] = True
     torch.set_flush_denormal(False)  # the float64 oracle never meets subnormals; restore before it runs
     assert_tail_agrees(got, x, k, tk, dtype, keep=keep)
@@ -120,10 +120,10 @@ def test_the_tail_changes_no_other_statistic(dtype, path):
     x, k, tk = tail_case(dtype=dtype, seed=8)
     if path == "hidden":
         W = torch.eye(x.shape[1], dtype=dtype)
-        a, b = (ops.hidden_row_stats(x, W, k, t, chunk_cols=53) for t in (tk, None))
+        a, b = (hidden_row_stats(x, W, k, t, chunk_rows=53) for t in (tk, None))
     elif path == "truncated":
-        a, b = (ops.row_stats(x, k, t, truncation=ops.Sampling(top_p=0.99), chunk_rows=3) for t in (tk, None))
+        a, b = (row_stats(x, k, t, truncation=ops.Sampling(top_p=0.99), chunk_rows=3) for t in (tk, None))
     else:
-        a, b = (ops.row_stats(x, k, t, impl=path, chunk_rows=3) for t in (tk, None))
+        a, b = (row_stats(x, k, t, impl=path, chunk_rows=3) for t in (tk, None))
     for key in ("lse", "logp", "sum_p2", "entropy"):
         assert torch.equal(a[key], b[key]), key

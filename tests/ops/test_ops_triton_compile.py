@@ -20,7 +20,8 @@ def test_kernels_compile_to_cubin(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    code = f"from pdmask.ops._kernel import compile_check\nprint('\\n'.join(compile_check({arch})))"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            f"from triton_compile import compile_check\nprint('\\n'.join(compile_check({arch})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+import _ops_cases
 from _ops_cases import AllocRecorder, make_ids, make_logits
 
 from pdmask import ops
-from pdmask.ops import _reference
+from tests.ops import reference as _reference
 
 F64 = torch.float64
 
@@ -24,11 +25,11 @@ def _truncation(kw: dict) -> dict:
 
 
 def row_stats(*args, **kw):
-    return ops.row_stats(*args, **_truncation(kw))
+    return _ops_cases.row_stats(*args, **_truncation(kw))
 
 
 def hidden_row_stats(*args, **kw):
-    return ops.hidden_row_stats(*args, **_truncation(kw))
+    return _ops_cases.hidden_row_stats(*args, **_truncation(kw))
 
 
 RULES = [dict(sampling_top_k=5), dict(sampling_top_p=0.8), dict(sampling_min_p=0.1),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .._validate import ESTIMATORS, LOSS_AGGS
+from ..keys import ESTIMATORS
+from ..loss import LOSS_AGGS
 from ..masks import MODES, MaskMode
 from ..significance import DEFAULT_N_BOOT
 
@@ -112,8 +113,8 @@ class AuditConfig:
             _fail("optimizer", f"unknown value {self.optimizer!r}; valid values are: {', '.join(OPTIMIZERS)}")
         if self.loss_agg not in LOSS_AGGS:
             _fail("loss_agg", f"unknown value {self.loss_agg!r}; valid values are: {', '.join(LOSS_AGGS)}")
-        if "batch" in MODES[self.step_mode].needs:
-            _fail("step_mode", f"{self.step_mode!r} needs an external batch direction (batch_ddot); the audit's "
+        if MODES[self.step_mode].extras:
+            _fail("step_mode", f"{self.step_mode!r} needs an external batch direction (its extras); the audit's "
                   "batch step supports the per-token modes")
         ins = (self.instruments,) if isinstance(self.instruments, str) else tuple(self.instruments)
         if any(x not in INSTRUMENTS for x in ins) or len(set(ins)) != len(ins):

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..keys import ESTIMATORS, ddot_key
-from ..ops import chunk_rows_for, compute_dtype
+from ..masks import beyond_delta
+from ..ops import compute_dtype, rows_per_chunk
 
 RATIO = "ratio"
 FULL = "pred-full"
@@ -48,13 +49,8 @@ def criterion_values(stats: dict, family: str) -> dict[str, torch.Tensor]:
 
 def out_of_region(divergence: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *,
                   delta_low: float, delta_high: float) -> torch.Tensor:
-    """The set O: ``D > delta_high`` for ``A > 0``, ``D > delta_low`` for ``A < 0``; ``A = 0`` never."""
-    return valid & (((advantages > 0) & (divergence > delta_high)) | ((advantages < 0) & (divergence > delta_low)))
-
-
-def outward(values: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """The criterion's verdict: the token's update pushes D up iff ``A * c > 0``."""
-    return advantages * values > 0
+    """The set O on the response tokens: the core's region rule (:func:`pdmask.masks.beyond_delta`)."""
+    return valid & beyond_delta(divergence, advantages, delta_low, delta_high)
 
 
 @torch.no_grad()
@@ -85,7 +81,7 @@ def entropy_ddot(logits: torch.Tensor, sampled_ids: torch.Tensor, *, temperature
     z_all = logits.reshape(-1, V)
     ids = sampled_ids.reshape(-1).long()
     cdt = compute_dtype(logits.dtype)
-    step = chunk_rows_for(V, chunk_size)
+    step = rows_per_chunk(V, chunk_size, logits.device)
     out = []
     for s in range(0, z_all.shape[0], step):
         logq = torch.log_softmax(z_all[s:s + step].to(cdt) / temperature, -1)  # (c, V)

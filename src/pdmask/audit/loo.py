@@ -102,7 +102,7 @@ class BatchStep:
                  *, optimizer_state: dict | None = None, dtype: torch.dtype = F64):
         from ..masks import MODES
 
-        if "batch" in MODES[cfg.step_mode].needs:
+        if MODES[cfg.step_mode].extras:
             raise ValueError(f"step_mode: {cfg.step_mode!r} needs an external batch direction; "
                              "the leave-one-out step supports the per-token modes only")
         if optimizer_state is not None and cfg.optimizer == "sgd":

@@ -54,7 +54,7 @@ import torch
 from ..batchmask import BatchMask
 from ..engine.hf import response_logits
 from ..corrections import Corrections
-from ..loss import Aggregation, aggregate, broadcast_advantages, policy_loss
+from ..loss import Aggregation, aggregate, policy_loss
 from ..masks import MODES, Thresholds, divergence_region, get_mode
 from ..significance import DEFAULT_N_BOOT
 from ..ops import Sampling
@@ -171,7 +171,7 @@ class PhiStep:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.theta0 = [p.detach().clone() for p in self.params]
         valid = rb.response_mask.bool()
-        A = broadcast_advantages(advantages, tuple(valid.shape)).to(F64)
+        A = (advantages if advantages.dim() == 2 else advantages[:, None].expand(valid.shape)).to(F64)
         self.A = torch.where(valid, A, torch.zeros_like(A))  # (B, T)
         self.valid = valid
         logits = self._forward(self.model, torch.arange(valid.shape[0]))  # (B, T, V) float64

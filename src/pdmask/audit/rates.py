@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .criteria import PREDICTIVE, RATIO, outward
+from ..masks import outward
+from .criteria import PREDICTIVE, RATIO
 
 COUNT_KEYS = ("n", "kept", "masked", "unsafe", "corrective", "ties_kept", "masked_increase", "sign_ok")
 #: rate name -> (numerator count, denominator count)

@@ -273,7 +273,7 @@ def rollouts_md(seeds: list[dict]) -> list[str]:
 
 
 def fidelity_md(F: dict, cfg: dict) -> list[str]:
-    from ..directions import ESTIMATORS
+    from ..keys import ESTIMATORS
     L = ["## Estimator fidelity", "",
          f"Sign agreement of `Ddot_topK` with the full-vocabulary `Ddot` ({cfg['divergence'].split('_')[1].upper()} "
          "family), the top-K view being the first K entries of the engine's top-K; share of the full KL (TV) that "

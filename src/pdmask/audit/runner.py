@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from .config import AuditConfig
-from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, out_of_region, outward, predictive_name
+from ..masks import outward
+from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, out_of_region, predictive_name
 from .fidelity import fidelity_counts, summarize_fidelity
 from .steps import Forward, batch_step, copy_in, isolated_param_changes, logit_step_changes, rollout_stats
 

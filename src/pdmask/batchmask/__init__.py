@@ -4,8 +4,9 @@ A per-token direction test asks what a token's update does to its own divergence
 one asks what it does to the out-of-region divergence of the whole batch,
 ``Phi = sum_{s in O} D_s``, through the model's parameters and the optimizer's
 preconditioner: ``c_t = A_t w_t <grad log pi_t, P grad Phi>``, for all tokens from one
-backward and one forward-mode pass. The mask it gives goes into :func:`pdmask.policy_loss`
-through ``batch_ddot=`` and the ``pdm-batch-*`` modes.
+backward and one forward-mode pass. Importing this package registers the ``pdm-batch-*``
+modes, which read that direction as the per-token extra ``ddot_batch``:
+``policy_loss(..., **out.loss_kwargs())`` (``extras={"ddot_batch": out.ddot}``).
 
 - :func:`batch_mask`, :class:`BatchMask`, :class:`BatchMaskOutput` (:mod:`.mask`)
 - :func:`select_params`, :class:`ParamSubset` (:mod:`.params`): ``params=``
@@ -13,10 +14,10 @@ through ``batch_ddot=`` and the ``pdm-batch-*`` modes.
 - :func:`out_of_region_divergence` (:mod:`.phi`): Phi with its chunked closed-form gradient
 """
 
-from .mask import METHODS, SCOPES, BatchMask, BatchMaskOutput, batch_mask
+from .mask import DDOT, METHODS, SCOPES, BatchMask, BatchMaskOutput, batch_mask
 from .params import ParamSubset, decoder_parts, select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
 from .precondition import preconditioner
 
-__all__ = ["METHODS", "PHI_DIVERGENCES", "SCOPES", "BatchMask", "BatchMaskOutput", "ParamSubset", "batch_mask",
+__all__ = ["DDOT", "METHODS", "PHI_DIVERGENCES", "SCOPES", "BatchMask", "BatchMaskOutput", "ParamSubset", "batch_mask",
            "decoder_parts", "out_of_region_divergence", "preconditioner", "select_params"]

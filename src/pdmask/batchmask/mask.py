@@ -18,6 +18,11 @@ Naive equivalent (per-token gradients; what the tests compare with)::
 
     v = P @ autograd.grad(Phi, theta)
     for t: c[t] = A[t] * w[t] * autograd.grad(log_pi[t], theta) @ v
+
+Importing this module registers the ``pdm-batch-*`` modes (:func:`pdmask.register_mode`):
+the core's divergence region and a direction the core does not compute, read from the
+per-token extra :data:`DDOT` that :meth:`BatchMaskOutput.loss_kwargs` hands the loss
+(``policy_loss(..., extras={DDOT: out.ddot})``).
 """
 
 from __future__ import annotations
@@ -30,9 +35,8 @@ import torch
 
 from .._validate import check_choice, check_positive, prepare
 from ..keys import ESTIMATORS, ddot_key
-from ..loss import broadcast_advantages
-from ..masks import Thresholds, divergence_region, get_mode
-from ..ops import Compute, Sampling, chunk_rows_for
+from ..masks import MaskMode, Thresholds, divergence_region, get_mode, register_mode
+from ..ops import Compute, Sampling, rows_per_chunk
 from ..rollout import Rollout
 from ..stats import MAX_LOG_RATIO, token_stats
 from . import directional as dirl
@@ -40,6 +44,35 @@ from . import precondition as pre
 from .params import decoder_parts, select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
 from .top import TopCapture, jvp_top_logprob
+
+#: The per-token extra the ``pdm-batch-*`` modes read: ``ddot_t = <grad log pi_t, P grad Phi>``.
+DDOT = "ddot_batch"
+
+
+def _direction(stats, estimator):
+    return stats[DDOT]
+
+
+for _scope in ("", "all-"):
+    for _div, _delta in (("topk_kl", 0.05), ("topk_tv", 0.15)):
+        register_mode(MaskMode(
+            f"pdm-batch-{_scope}{_div.replace('_', '-')}",
+            divergence_region(_div) if not _scope else (lambda stats, adv, th: adv != 0),  # scope all: every token
+            _direction, _div, needs=frozenset({"topk"}), default_delta=_delta, extras=(DDOT,),
+            supports=("topk+sampled",),  # the direction is built on the default support
+            doc=f"batch-aware mask{', scope all' if _scope else ''}: {'any token' if _scope else _div + ' > delta'} "
+                f"and A*{DDOT} > 0 (pdmask.batchmask)"))
+
+
+def _broadcast(advantages, lead: tuple) -> torch.Tensor:
+    if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
+        raise ValueError("advantages: must be a floating-point torch.Tensor")
+    if tuple(advantages.shape) == lead:
+        return advantages
+    if advantages.dim() == 1 and len(lead) == 2 and advantages.shape[0] == lead[0]:
+        return advantages[:, None].expand(lead)
+    raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
+
 
 SCOPES = ("region", "all")
 METHODS = ("auto", "jvp", "double-backward")
@@ -71,7 +104,7 @@ class BatchMaskOutput:
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
-        return {"mode": self.mode, "batch_ddot": self.ddot,
+        return {"mode": self.mode, "extras": {DDOT: self.ddot},
                 "thresholds": Thresholds(delta_low=self.delta_low, delta_high=self.delta_high)}
 
 
@@ -210,7 +243,7 @@ class BatchMask:
             st = token_stats(logits.detach(), rollout, sampling=Sampling(temperature=Tmp),
                              compute=Compute(chunk_rows=self.chunk_size), validate=validate)
             valid = st["valid"]
-            adv = broadcast_advantages(advantages, tuple(ids.shape)).to(st["log_ratio"].dtype)
+            adv = _broadcast(advantages, tuple(ids.shape)).to(st["log_ratio"].dtype)
             if validate and bool(torch.isnan(adv[valid]).any()):
                 raise ValueError("advantages: contains NaN on response tokens")
             adv = torch.where(valid, adv, torch.zeros_like(adv))
@@ -268,11 +301,11 @@ class BatchMask:
                    phi_value, valid, *, retain: bool):
         """``v = P grad Phi`` and ``ddot = J v`` (R, T) from a forward's ``logits`` over ``leaves``."""
         sub, Tmp = self.subset, self.temperature
-        b = prepare(logits.detach(), batch, validate=False)
+        b = prepare(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, batch, validate=False)
         phi = out_of_region_divergence(
             logits.reshape(-1, logits.shape[-1]), phi_value, weight.reshape(-1), b.sampled_ids,
             b.sampled_logprob, b.topk_ids, b.topk_logprobs, divergence=self.divergence, temperature=Tmp,
-            chunk_rows=chunk_rows_for(b.vocab_size, self.chunk_size))
+            chunk_rows=rows_per_chunk(b.vocab_size, self.chunk_size, logits.device))
         grads = torch.autograd.grad(phi, leaves, retain_graph=retain or method == "double-backward",
                                     allow_unused=True)
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]

@@ -1,34 +1,13 @@
-"""Triton kernels for the fused row statistics and the gradient of ``log pi_k``.
+"""Triton kernels of the row reductions and of the gradient of ``log pi_k`` (``impl="triton"``;
+imported only then; built on first use, for Triton's CPU interpreter under ``TRITON_INTERPRET=1``).
 
-Imported only when ``impl="triton"`` is used (or ``"auto"`` on CUDA with Triton
-installed); CPU users never import Triton.
-
-Forward, one program per row, a single pass over the row in blocks of ``BLOCK_V``
-(online log-sum-exp in base 2, float32 accumulation from bf16/fp16/fp32 input). With
-``z = x log2(e) / T`` and the running max ``m`` (base-2 units) the row keeps::
-
-    s = sum 2^(z - m),   q = sum 2^(2 (z - m)),   w = sum 2^(z - m) (z - m)
-
-and when a block raises the max from ``m`` to ``m'`` (``a = 2^(m - m')``, ``d = m - m'``)::
-
-    s <- a s + sum_blk e,   q <- a^2 q + sum_blk e^2,   w <- a (w + d s) + sum_blk e y
-
-so that at the end ``lse = ln2 (m + log2 s)``, ``entropy = ln2 (log2 s - w / s)``,
-``sum_p2 = q / s^2`` and ``logp_j = ln2 (z_j - m) - ln s``: the same quantities as
-:func:`pdmask.ops._reference.reduce_rows`, which is the test oracle.
-
-With the top-K the row also keeps the tail of ``S' = topK ∪ {k}``: ``t``, ``qt`` like ``s``,
-``q`` over the ids outside S' only (``lse_tail = ln2 (m + log2 t)``, ``sum_p2_tail =
-qt / s^2``). The K+1 support ids come sorted, with a sentinel ``V``, and a pointer walks
-them along the blocks: a block that holds none (most of them) reuses its ``s``, ``q``
-increments; one that holds some zeroes those columns and sums again. A row whose ``t`` is
-so small that flushed terms could matter (``rescue``, :func:`._reference.tail_rescue_below`)
-walks the row a second time with the tail's own running max; other rows never do.
-
-Backward, one program per row: ``grad = g (e_k - p) / T`` written in the logits' dtype.
-
-Kernels are built on first use with ``triton.jit``; when ``TRITON_INTERPRET=1`` is set
-at that moment they are built for Triton's CPU interpreter instead (tests, no GPU).
+Forward, one program per row, one pass in blocks with an online log-sum-exp in base 2 and
+float32 accumulation: with ``z = x log2(e) / T`` and the running max ``m``, the row keeps
+``s = sum 2^(z - m)``, ``q``, ``w`` as the torch backend (:mod:`pdmask.ops`); a block raising
+the max to ``m'`` rescales them (``a = 2^(m - m')``: ``s <- a s + ...``, ``q <- a^2 q + ...``,
+``w <- a (w + (m - m') s) + ...``). The tail of ``S'`` is summed beside them, the sorted support
+ids (sentinel ``V``) walked along the blocks; a row whose tail could have underflowed walks
+again with the tail's own max. Backward, one program per row: ``g (e_k - p) / T``.
 """
 
 from __future__ import annotations
@@ -39,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import check_device, interpreting
-from ._reference import tail_rescue_below
+from ._shared import interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -195,28 +173,15 @@ def _kernels():
     return _BUILT[mode]
 
 
-def _check_device(logits: torch.Tensor) -> None:
-    check_device(logits)
-    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"logits: impl='triton' supports float16/bfloat16/float32, got {logits.dtype}")
-
-
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(
-    logits: torch.Tensor,  # (N, V)
-    sampled_ids: torch.Tensor,  # (N,) int64
-    topk_ids: torch.Tensor | None,  # (N, K) int64
-    *,
-    temperature: float,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Launch the forward kernel; returns float32 ``lse, logp, sum_p2, entropy`` and with
-    ``topk_ids`` also ``topk_logp, lse_tail, sum_p2_tail``."""
-    _check_device(logits)
+def forward(logits: torch.Tensor, sampled_ids: torch.Tensor, topk_ids: torch.Tensor | None, *, temperature: float,
+            rescue: float, block_v: int | None = None, num_warps: int | None = None) -> dict[str, torch.Tensor]:
+    """Launch the forward kernel on (N, V) logits, (N,) and (N, K) int64 ids; returns float32 ``lse, logp, sum_p2, entropy`` and with
+    ``topk_ids`` also ``topk_logp, lse_tail, sum_p2_tail``; rows whose tail sum falls below
+    ``rescue`` (:func:`pdmask.ops.tail_rescue_below`) walk again with the tail's own max."""
     fwd, _ = _kernels()
     logits = _row_major(logits)
     N, V = logits.shape
@@ -243,25 +208,16 @@ def forward(
     fwd[(N,)](
         logits, logits.stride(0), ids, tk, tk.stride(0), lse, logp, sp2, ent, tlp, tlp.stride(0),
         sup, sup.stride(0), lt, p2t,
-        V, K, LOG2E / temperature, tail_rescue_below(torch.float32, V),
+        V, K, LOG2E / temperature, rescue,
         BLOCK_V=bv, BLOCK_K=triton.next_power_of_2(K), HAS_TOPK=has_topk,
         num_warps=num_warps or NUM_WARPS,
     )
     return out
 
 
-def backward(
-    logits: torch.Tensor,  # (N, V)
-    sampled_ids: torch.Tensor,  # (N,)
-    lse: torch.Tensor,  # (N,) float32
-    grad_logp: torch.Tensor,  # (N,)
-    *,
-    temperature: float,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """Launch the backward kernel: ``grad_logp (e_k - softmax(logits / T)) / T``."""
-    _check_device(logits)
+def backward(logits: torch.Tensor, sampled_ids: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor, *,
+             temperature: float, block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Launch the backward kernel: ``grad_logp (e_k - softmax(logits / T)) / T`` (``lse`` float32)."""
     _, bwd = _kernels()
     logits = _row_major(logits)
     N, V = logits.shape
@@ -277,39 +233,3 @@ def backward(
         BLOCK_V=bv, num_warps=num_warps or NUM_WARPS,
     )
     return grad
-
-
-def compile_check(arch: int = 90, dtypes=("bf16", "fp16", "fp32"), num_warps: int | None = None) -> list[str]:
-    """Compile every kernel variant for ``sm_{arch}`` down to a cubin, without a GPU.
-
-    Catches what the interpreter cannot (constexpr globals, type rules of the compiler,
-    ptxas errors). Needs ``TRITON_INTERPRET`` unset when triton is imported. Returns one
-    line per variant.
-    """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as tcompile
-
-    if language_interpreted():
-        raise RuntimeError("compile_check: triton was imported with TRITON_INTERPRET=1")
-    fwd, bwd = triton.jit(_row_stats_fwd), triton.jit(_logp_bwd)
-    target = GPUTarget("cuda", arch, 32)
-    opts = {"num_warps": num_warps or NUM_WARPS}
-    done = []
-    for dt in dtypes:
-        for has_topk in (True, False):
-            sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "TOPK": "*i64", "stride_tk": "i32",
-                   "LSE": "*fp32", "LOGP": "*fp32", "SUMP2": "*fp32", "ENT": "*fp32", "TOPK_LOGP": "*fp32",
-                   "stride_tl": "i32", "SUP": "*i64", "stride_sup": "i32", "LSE_TAIL": "*fp32",
-                   "P2_TAIL": "*fp32", "V": "i32", "K": "i32", "scale": "fp32", "rescue": "fp32",
-                   "BLOCK_V": "constexpr", "BLOCK_K": "constexpr", "HAS_TOPK": "constexpr"}
-            src = ASTSource(fwd, sig, constexprs={"BLOCK_V": FWD_BLOCK_V, "BLOCK_K": 32, "HAS_TOPK": has_topk})
-            k = tcompile(src, target=target, options=opts)
-            assert k.asm.get("cubin"), "no cubin produced"
-            done.append(f"fwd {dt} topk={has_topk} sm_{arch}: {len(k.asm['cubin'])} bytes")
-        sig = {"X": f"*{dt}", "stride_x": "i32", "IDS": "*i64", "LSE": "*fp32", "G": "*fp32", "DX": f"*{dt}",
-               "stride_dx": "i32", "V": "i32", "scale": "fp32", "inv_t": "fp32", "BLOCK_V": "constexpr"}
-        k = tcompile(ASTSource(bwd, sig, constexprs={"BLOCK_V": BWD_BLOCK_V}), target=target, options=opts)
-        assert k.asm.get("cubin"), "no cubin produced"
-        done.append(f"bwd {dt} sm_{arch}: {len(k.asm['cubin'])} bytes")
-    return done

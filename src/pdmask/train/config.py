@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import batchmask  # noqa: F401  (registers the pdm-batch-* modes a config may name)
+
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
@@ -154,9 +156,9 @@ class TrainConfig:
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
         from ..batchmask import METHODS
-        from ..directions import ESTIMATORS
+        from ..keys import ESTIMATORS
         from ..keys import SUPPORTS
-        from .._validate import LOSS_AGGS
+        from ..loss import LOSS_AGGS
         from ..engine.precision import PRECISIONS
         from ..engine.registry import engine_names
 
@@ -268,9 +270,9 @@ def _validate_trainable(cfg: TrainConfig) -> None:
         raise ValueError(f"train_blocks: the model has num_layers={cfg.num_layers} blocks, got {cfg.train_blocks}")
     if cfg.loss_from not in ("logits", "hidden"):
         raise ValueError(f"loss_from: unknown value {cfg.loss_from!r}; valid values are: logits, hidden")
-    needs = MODES[cfg.mode].needs if cfg.mode in MODES else ()
+    extras = MODES[cfg.mode].extras if cfg.mode in MODES else ()
     if cfg.loss_from == "hidden":
-        if "batch" in needs:
+        if extras:
             raise ValueError(f"loss_from: mode {cfg.mode!r} computes its batch direction on the logits of its own "
                              "forward; use loss_from=logits")
         if cfg.full_logits:
@@ -299,14 +301,14 @@ def corrections(cfg: TrainConfig):
 def sampling(cfg: TrainConfig):
     """The engine's :class:`pdmask.Sampling` (``temperature`` and ``sampling_*``); an error
     names the config field."""
+    from .._validate import SpecError
     from ..ops import Sampling
 
     try:
         return Sampling(temperature=cfg.temperature, top_k=cfg.sampling_top_k, top_p=cfg.sampling_top_p,
                         min_p=cfg.sampling_min_p)
-    except ValueError as e:
-        msg = str(e)
-        raise ValueError(msg if msg.startswith("temperature") else f"sampling_{msg}") from None
+    except SpecError as e:  # the field is the config's own, prefixed but for temperature
+        raise (e if e.field == "temperature" else e.renamed(f"sampling_{e.field}")) from None
 
 
 def loss_spec(cfg: TrainConfig, *, validate: bool = False):
@@ -335,7 +337,7 @@ def _validate_corrections(cfg: TrainConfig) -> None:
     if cfg.full_logits:
         raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
                          "(the full-vocabulary terms are those of the untruncated mu)")
-    if "batch" in MODES[cfg.mode].needs:
+    if MODES[cfg.mode].extras:
         raise ValueError(f"{on}: mode {cfg.mode!r} computes its batch direction on the untruncated pi; "
                          "truncated sampling is not available with the pdm-batch-* modes")
 

@@ -20,11 +20,12 @@ import weakref
 
 import torch
 
-from ..batchmask import BatchMask
+from ..batchmask import DDOT, BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
 from ..loss import PolicyLossOutput
 from ..masks import get_mode
+from ..ops import Hidden
 from .config import TrainConfig, effective_is_cap, loss_spec
 from .trainable import trainable_parameters
 
@@ -101,16 +102,16 @@ def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.
     """The loss of :func:`trainer_forward`'s output ``x``.
 
     ``loss_from=logits``: ``loss_spec(cfg)(x, rollout, A)``. ``loss_from=hidden``:
-    ``loss_spec(cfg).from_hidden(x, W, rollout, A)`` with ``W`` the LM-head weight. That
+    ``loss_spec(cfg)(Hidden(x, W), rollout, A)`` with ``W`` the LM-head weight. That
     is the same loss as ``loss_spec(cfg)(x @ W.T, rollout, A)`` up to rounding, but the
-    (B, T, V) logits are made and reduced in column chunks and never kept for the
+    (B, T, V) logits are made and reduced in row chunks and never kept for the
     backward. The rollout's full logits, when present (the audit's oracle view), are
     left out there. They feed only the ``*-full-*`` terms, which the config refuses with
     ``loss_from=hidden``."""
     spec = loss_spec(cfg, validate=validate)
     if cfg.loss_from == "hidden":
         r = batch.rollout if batch.rollout.logits is None else batch.rollout.replace(logits=None)
-        return spec.from_hidden(x, lm_head_weight(model), r, advantages)
+        return spec(Hidden(x, lm_head_weight(model)), r, advantages)
     return spec(x, batch.rollout, advantages)
 
 
@@ -141,7 +142,7 @@ _MASKERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyD
 
 def is_batch_mode(mode: str) -> bool:
     """Whether ``mode`` needs the batch direction (``pdm-batch-*``)."""
-    return "batch" in get_mode(mode).needs
+    return DDOT in get_mode(mode).extras
 
 
 def batch_params(cfg: TrainConfig):
@@ -176,13 +177,13 @@ def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tenso
     of the very step the loss is for): one forward (shared with the loss), the backward of
     Phi, ``P``, one forward-mode pass (:class:`pdmask.batchmask.BatchMask`,
     ``share_forward=True``). Returns the (B, T, V) logits with their graph, the
-    ``policy_loss`` keywords that apply the mask (``batch_ddot``) and the ``batch_*``
+    ``policy_loss`` keywords that apply the mask (``extras``) and the ``batch_*``
     diagnostics (detached).
     """
     bm = batch_masker(model, optimizer, cfg)
     out = bm(batch.sequences, batch.attention_mask, batch.rollout, advantages, validate=validate, share_forward=True)
     more = {f"batch_{k}": out.metrics[k] for k in BATCH_METRICS}
-    return out.logits, {"batch_ddot": out.ddot}, more
+    return out.logits, {"extras": {DDOT: out.ddot}}, more
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,

@@ -1,14 +1,13 @@
-"""The verl binary losses read the core's binary statistics (no verl needed: the module
+"""The verl losses read the core's statistics (:meth:`pdmask.TokenStats.from_logprobs`) (no verl needed: the module
 imports verl only inside the functions that call it)."""
 
 from __future__ import annotations
 
 import torch
 
-import pdmask
 from pdmask.integrations.verl import losses
 from pdmask.keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
-from pdmask.stats import MAX_LOG_RATIO, binary_stats
+from pdmask.stats import MAX_LOG_RATIO, TokenStats, TopKStats
 from tests import flat  # noqa: E402
 
 
@@ -22,13 +21,16 @@ def _batch(B=3, T=5, V=13, seed=0):
     return z, k, logp, rlp
 
 
-def test_core_binary_stats_are_the_token_stats_binary_keys():
+BINARY = ("log_ratio", "ratio", "binary_tv", "binary_kl", "ddot_binary_tv", "ddot_binary_kl")
+
+
+def test_from_logprobs_gives_the_token_stats_binary_part():
     z, k, logp, rlp = _batch()
     st = flat.token_stats(z, k, rlp)
-    got = binary_stats(st["logp"].detach(), rlp, st["sum_p2"])
-    assert set(got) == {"log_ratio", "ratio", "binary_tv", "binary_kl", "ddot_binary_tv", "ddot_binary_kl"}
-    for key, val in got.items():
-        torch.testing.assert_close(val, st[key], rtol=0, atol=0, msg=key)
+    got = TokenStats.from_logprobs(st["logp"].detach(), rlp, torch.ones_like(k, dtype=torch.bool), sum_p2=st["sum_p2"])
+    assert got.topk is None and got.full is None and got.kept is None
+    for key in BINARY:
+        torch.testing.assert_close(got[key], st[key], rtol=0, atol=0, msg=key)
 
 
 def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
@@ -36,10 +38,11 @@ def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
     mask = torch.ones_like(k, dtype=torch.bool)
     mask[0, -2:] = False
     got = losses.binary_stats(logp, rlp, mask)
-    want = binary_stats(logp, rlp, logp.exp().square())
-    assert set(got) == set(want) | {"entropy", "sampled_logprob"}
+    want = TokenStats.from_logprobs(logp, rlp, mask, sum_p2=logp.exp().square())
+    assert isinstance(got, TokenStats) and set(got) == set(want)
     assert torch.equal(got["sampled_logprob"][mask], rlp[mask])  # the anchor's log mu_k (DRPO's mu_k)
-    for key in want:
+    assert got.logp is logp and torch.equal(got.entropy, torch.zeros_like(logp))
+    for key in BINARY:
         torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=0, msg=key)
         assert torch.isfinite(got[key]).all(), key  # padding gets a harmless placeholder
     # the bound changes the magnitude of Ddot, never its sign (the sign is the ratio's)
@@ -51,14 +54,24 @@ def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
 def test_ratio_is_capped_at_the_one_constant():
     logp = torch.tensor([-1e-3, -0.5])
     rlp = torch.tensor([-120.0, -0.25])  # a log-ratio of ~120 saturates
-    st = binary_stats(logp, rlp, logp.exp().square())
+    st = TokenStats.from_logprobs(logp, rlp, torch.ones(2, dtype=torch.bool))
     assert st["ratio"][0] == torch.tensor(MAX_LOG_RATIO).exp()
     torch.testing.assert_close(st["ratio"][1], torch.tensor(-0.25).exp())
     v = losses.binary_stats(logp[None], rlp[None], torch.ones(1, 2, dtype=torch.bool))
     assert v["ratio"][0, 0] == torch.tensor(MAX_LOG_RATIO).exp()
 
 
-def test_topk_stat_keys_are_the_vocabulary_keys():
+def test_shipped_keys_are_the_top_k_parts_fields():
+    """What the actor hook ships is named by the top-K part's fields, written nowhere else: the
+    part made from them (as the loss side makes it) has every Ddot the hook computed."""
     want = [ddot_key(d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS]
-    assert list(losses.TOPK_STAT_KEYS[-len(want):]) == want
-    assert "ddot_topk_kl_aggregated" in losses.TOPK_STAT_KEYS
+    assert list(losses.SHIPPED[-len(want):]) == want and losses.SHIPPED[:2] == ("sampled_logprob", "entropy")
+    z, k, _, _ = _batch(seed=2)
+    lmu = torch.log_softmax(z + torch.randn(z.shape, generator=torch.Generator().manual_seed(3), dtype=z.dtype), -1)
+    top = lmu.topk(4, -1)
+    st = flat.token_stats(z, k, lmu.gather(-1, k[..., None])[..., 0], top.indices, top.values)
+    shipped = st.topk.to_dict()
+    assert list(shipped) == list(losses.SHIPPED[2:])
+    part = TopKStats.from_dict(shipped)
+    for key in want:
+        assert torch.equal(part.ddot(*key.removeprefix("ddot_").rsplit("_", 1)), st[key]), key

@@ -30,6 +30,7 @@ from functools import cache
 from typing import Any, Callable
 
 from ... import MODES
+from ..._validate import SpecError, check_choice
 from ...corrections import DEFAULT_IS_CAP, Corrections
 
 #: TRL ``loss_type`` values whose aggregation the trainer reproduces.
@@ -74,16 +75,18 @@ def _ratio_weighted(args) -> bool:
 SUPPLIED_NEEDS = frozenset({"topk"})
 UNSUPPLIED_NEEDS = {
     "full": "needs the generator's full logits, which neither vLLM nor generate() report; use a *-topk-* mode",
-    "batch": "needs the model-aware batch direction (pdmask.batchmask), which the TRL trainer does not compute; "
-             "use a *-topk-* mode",
 }
 
 
 def mode_refusal(mode) -> str | None:
     """Why the trainer cannot run ``mode`` (a :class:`pdmask.MaskMode`), or None: a mode runs iff
-    every input it needs is one the trainer supplies (:data:`SUPPLIED_NEEDS`)."""
+    every input it needs is one the trainer supplies (:data:`SUPPLIED_NEEDS`) and it reads no
+    caller-supplied per-token tensor (``MaskMode.extras``: the batch modes' direction)."""
     for need in sorted(set(mode.needs) - SUPPLIED_NEEDS):
         return UNSUPPLIED_NEEDS.get(need, f"needs {need!r} inputs, which the TRL trainer does not supply")
+    if mode.extras:
+        return (f"needs the per-token tensor(s) {', '.join(mode.extras)} from its caller (the batch modes' model-"
+                "aware direction, pdmask.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
     return None
 
 
@@ -97,11 +100,10 @@ def check_mode(args) -> None:
     """``mask_mode`` names a registered mode the trainer can run; the error lists :func:`accepted_modes`."""
     name = args.mask_mode
     mode = MODES.get(name) if isinstance(name, str) else None
-    if mode is None:
-        raise ValueError(f"mask_mode: unknown mode {name!r}; valid modes are: {', '.join(accepted_modes())}")
-    why = mode_refusal(mode)
+    why = mode_refusal(mode) if mode is not None else None
     if why:
-        raise ValueError(f"mask_mode: {name!r} {why}")
+        raise SpecError("mask_mode", f"{name!r} {why}")
+    check_choice("mask_mode", name, accepted_modes())
 
 
 # ------------------------------------------------------------------ "not set" sentinels
@@ -414,10 +416,9 @@ def loss_spec(args):
                           thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high, dual),
                           corrections=corrections(args), sampling=sampling(args),
                           compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate)
-    except ValueError as e:
-        name, _, rest = str(e).partition(":")
-        if name in _FIELD_OF:
-            raise ValueError(f"{_FIELD_OF[name]}:{rest}") from None
+    except SpecError as e:  # the core names its field; name the config's
+        if e.field in _FIELD_OF:
+            raise e.renamed(_FIELD_OF[e.field]) from None
         raise
 
 

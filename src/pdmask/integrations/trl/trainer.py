@@ -43,6 +43,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from ...aggregation import aggregate
 from ...loss import Aggregation
+from ...ops import Hidden
 from ...rollout import Rollout
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
 from . import hidden as _hidden
@@ -257,7 +258,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
 
             def from_hidden(hidden, weight):  # runs inside the model's forward (hidden.py)
                 h = hidden[:, -(T + 1):-1, :]  # (B, T, H): position P-1+t predicts completion token t
-                return loss_fn.from_hidden(h, weight.to(h.dtype), rollout, adv, aggregation=agg)
+                return loss_fn(Hidden(h, weight.to(h.dtype)), rollout, adv, aggregation=agg)
 
             with self.accelerator.autocast():
                 res = model(**self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)

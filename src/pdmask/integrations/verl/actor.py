@@ -35,7 +35,7 @@ import torch
 
 from ...rollout import Rollout
 from ...stats import token_stats
-from .losses import TOPK_STAT_KEYS, engine_without_topk, rollout_stats
+from .losses import SHIPPED, engine_without_topk, rollout_stats
 from .rollout import EXTRA_KEYS
 
 MODEL_TYPE = "pdmask_language_model"
@@ -197,7 +197,7 @@ def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True
     # the logits arrive temperature-scaled: the statistics are those at temperature 1
     st = token_stats(logits[None], rollout, validate=validate)
     out = {}
-    for k in TOPK_STAT_KEYS + ("entropy",):
+    for k in SHIPPED:  # each Ddot computed here (the loss mode is not known to the hook)
         v = st[k]
         v = torch.where(valid[None], v.to(torch.float32), torch.zeros_like(v, dtype=torch.float32))
         out[OUT_PREFIX + k] = v
@@ -222,7 +222,7 @@ class PdmaskLossFunction:
         from verl.workers.utils.padding import no_padding_2_padding
 
         stats = {}
-        for k in TOPK_STAT_KEYS + ("entropy",):
+        for k in SHIPPED:
             v = model_output.pop(OUT_PREFIX + k, None)
             if v is None:
                 raise ValueError(f"model_output: {OUT_PREFIX + k!r} missing (logits processor did not run; "

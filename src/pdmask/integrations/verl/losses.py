@@ -29,9 +29,9 @@ compute_policy_loss_dppo_tv``): ``actor.clip_ratio_low`` / ``clip_ratio_high`` a
 divergence thresholds delta for A < 0 / A > 0 (the smooth modes' scale delta: DRPO's
 ``drpo_epsilon``, SPO's epsilon), ``actor.clip_ratio_c`` is the IS cap C of the DPPO
 surrogates (the smooth modes have none: their ratio is the weight).
-The loss is the core's pipeline, not a copy of it: statistics from
-:func:`pdmask.stats.binary_stats` (binary) or the actor hook's top-K reductions (top-K),
-then :meth:`pdmask.PolicyLoss.from_stats` (mask, corrections, surrogate, aggregation,
+The loss is the core's pipeline, not a copy of it: :class:`pdmask.TokenStats` from verl's
+log-probs (:meth:`pdmask.TokenStats.from_logprobs`), with the actor hook's top-K part for the
+top-K modes, then :func:`pdmask.loss_from_stats` (mask, corrections, surrogate, aggregation,
 metrics), with verl's ``agg_loss`` arguments (``loss_agg_mode`` and
 ``config.global_batch_info``: ``dp_size``, the global ``batch_num_tokens`` /
 ``global_batch_size``, ``loss_scale_factor``) mapped onto one :class:`pdmask.Aggregation`
@@ -46,29 +46,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
-from ..._validate import LOSS_AGG_READS, LOSS_AGGS, check_choice
+from ..._validate import SpecError, check_choice
 from ...corrections import Corrections
-from ...directions import log_ratio as _log_ratio
-from ...keys import ESTIMATORS, TOPK_DIVERGENCES, ddot_key
-from ...loss import Aggregation, PolicyLoss
+from ...keys import ESTIMATORS
+from ...loss import LOSS_AGG_READS, LOSS_AGGS, Aggregation, PolicyLoss
 from ...masks import SMOOTH_SURROGATES, Thresholds, get_mode
-from ...stats import binary_stats as _binary_stats
-from ...stats import capped_ratio
+from ...stats import TOPK_NAMES, TokenStats, TopKStats
 
 PREFIX = "pdmask_"
 #: Modes whose statistics need only log pi_k and the anchor's log mu_k.
 BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl", "drpo", "spo")
 #: Modes that need the rollout top-K (the pdmask engine + rollout replica).
 TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv", "pdm-smooth-topk-kl", "pdm-smooth-topk-tv")
-#: Per-token statistics the actor hook provides for the top-K modes (all (B, T)).
-TOPK_STAT_KEYS = (
-    "sampled_logprob", "topk_kl", "topk_tv", "rollout_tail_mass", "tail_clamped", "sampled_in_topk",
-    *(ddot_key(d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS),
-)
+#: Per-token statistics the actor hook hands the top-K losses (all (B, T)): ``log mu_k``, the
+#: entropy and the top-K part of :class:`pdmask.TokenStats` (its field names).
+SHIPPED = ("sampled_logprob", "entropy") + TOPK_NAMES
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
                                                                              default=None)
@@ -101,7 +98,7 @@ def registered_names() -> dict[str, tuple[str, str]]:
 
 @contextlib.contextmanager
 def rollout_stats(stats: dict[str, torch.Tensor]):
-    """Make per-token top-K statistics (dict of (B, T) tensors, keys :data:`TOPK_STAT_KEYS`)
+    """Make per-token top-K statistics (dict of (B, T) tensors, keys :data:`SHIPPED`)
     visible to the top-K losses during one verl ``ppo_loss`` call."""
     token = _ROLLOUT_STATS.set(stats)
     try:
@@ -123,30 +120,22 @@ def engine_without_topk():
 
 # ------------------------------------------------------------------ statistics
 def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
-                 response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The statistics the binary modes read, from (B, T) log-probs alone (detached).
-
-    :func:`pdmask.stats.binary_stats` (``log_ratio``, ``ratio``, ``binary_tv``,
-    ``binary_kl``, ``ddot_binary_*``). The Ddot closed forms need ``sum_i pi_i^2``,
-    which verl does not pass to a policy loss; the lower bound ``pi_k^2`` is used instead. That changes only the magnitude of Ddot,
-    never its sign (``1 - 2 pi_k + sum pi^2 >= (1 - pi_k)^2 > 0``), and only the sign
-    enters the mask and the metrics. ``entropy`` is not available here either (0).
-    Padding positions get a harmless placeholder (log-prob log 1/2) so nothing is NaN.
+                 response_mask: torch.Tensor) -> TokenStats:
+    """The statistics the binary modes read, from (B, T) log-probs alone:
+    :meth:`pdmask.TokenStats.from_logprobs` (``sum_i pi_i^2``, which verl does not pass to a
+    policy loss, at its sign-preserving lower bound ``pi_k^2``; ``entropy`` 0). The
+    statistics read a copy with padding at a harmless placeholder (log-prob log 1/2, so
+    nothing is NaN); ``logp`` is verl's own ``log_prob``, through which the gradient flows.
     """
     valid = response_mask.bool()
-    dt = log_prob.dtype
     filler = torch.full_like(log_prob, -0.6931471805599453)
     logp = torch.where(valid, log_prob.detach(), filler).clamp(max=0.0)
-    anchor = torch.where(valid, anchor_log_prob.detach().to(dt), filler).clamp(max=0.0)
-    sum_p2 = logp.exp().square()  # lower bound of sum_i pi_i^2 (sign-preserving, see above)
-    st = _binary_stats(logp, anchor, sum_p2)
-    st["entropy"] = torch.zeros_like(logp)
-    st["sampled_logprob"] = anchor
-    return st
+    anchor = torch.where(valid, anchor_log_prob.detach().to(log_prob.dtype), filler).clamp(max=0.0)
+    return replace(TokenStats.from_logprobs(logp, anchor, valid), logp=log_prob)
 
 
-def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The statistics of the top-K modes: the actor hook's (B, T) tensors plus the ratio
+def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> TokenStats:
+    """The statistics of the top-K modes: the actor hook's (B, T) top-K part plus the ratio
     ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``."""
     st = _ROLLOUT_STATS.get()
     if st is None and _ENGINE_WITHOUT_TOPK.get():
@@ -159,28 +148,21 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str,
             "config: a pdmask top-K loss_mode needs the per-token statistics of the pdmask training engine; "
             "set actor_rollout_ref.model.model_type=pdmask_language_model and "
             "actor_rollout_ref.rollout.name=pdmask_vllm (see docs/verl.md)")
-    missing = [k for k in TOPK_STAT_KEYS if k not in st]
+    missing = [k for k in SHIPPED if k not in st and k != "entropy"]
     if missing:
         raise ValueError(f"rollout_stats: missing keys {missing}")
     shape = tuple(log_prob.shape)
-    for k in TOPK_STAT_KEYS:
+    for k in st:
         if tuple(st[k].shape) != shape:
             raise ValueError(f"rollout_stats: {k!r} has shape {tuple(st[k].shape)}, log_prob has {shape}")
     valid = response_mask.bool()
     dt = log_prob.dtype
     rlp = torch.where(valid, st["sampled_logprob"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
     logp = torch.where(valid, log_prob.detach(), rlp)
-    log_ratio = _log_ratio(logp, rlp)
-    out = {k: st[k].to(dt) for k in TOPK_STAT_KEYS if k not in ("tail_clamped", "sampled_in_topk")}
-    out.update(
-        log_ratio=log_ratio,
-        sampled_logprob=rlp,
-        ratio=capped_ratio(log_ratio),
-        entropy=st.get("entropy", torch.zeros_like(logp)).to(dt),
-        tail_clamped=st["tail_clamped"].bool(),
-        sampled_in_topk=st["sampled_in_topk"].bool(),
-    )
-    return out
+    topk = TopKStats.from_dict({k: st[k].bool() if k in ("tail_clamped", "sampled_in_topk") else st[k].to(dt)
+                                for k in TOPK_NAMES})
+    entropy = st.get("entropy", torch.zeros_like(logp)).to(dt)
+    return replace(TokenStats.from_logprobs(logp, rlp, valid, entropy=entropy, topk=topk), logp=log_prob)
 
 
 # ------------------------------------------------------------------ the loss
@@ -196,7 +178,7 @@ def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregati
     verl fills every key for every mode and ``agg_loss`` reads the ones its mode needs
     (``batch_num_tokens`` in token-mean, ``global_batch_size`` in the seq-mean modes,
     ``loss_scale_factor`` in ``seq-mean-token-sum-norm``, ``dp_size`` in all); exactly those
-    are passed on (:data:`pdmask._validate.LOSS_AGG_READS`), so the loss is normalised over the
+    are passed on (:data:`pdmask.loss.LOSS_AGG_READS`), so the loss is normalised over the
     global batch as verl's built-in losses are. A key verl 0.9.1 does not set is refused (a
     newer verl's normalisation must not be dropped unseen); with ``dp_size > 1`` the mode's
     global count is required, as in verl. Errors name the key:
@@ -214,12 +196,11 @@ def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregati
           if info.get(k) is not None and (f == "dp_size" or f in reads)}
     try:
         return Aggregation(loss_agg_mode, **kw)
-    except ValueError as e:  # the core names its field; name verl's key instead
-        field, _, msg = str(e).partition(": ")
-        key = {f: k for k, f in GLOBAL_BATCH_INFO.items()}.get(field)
+    except SpecError as e:  # the core names its field; name verl's key instead
+        key = {f: k for k, f in GLOBAL_BATCH_INFO.items()}.get(e.field)
         if key is None:
             raise
-        raise ValueError(f"config.global_batch_info[{key!r}]: {msg}") from None
+        raise e.renamed(f"config.global_batch_info[{key!r}]") from None
 
 
 def policy_loss_spec(mode_name: str, estimator: str, config, loss_agg_mode: str) -> PolicyLoss:
@@ -238,7 +219,7 @@ def policy_loss_spec(mode_name: str, estimator: str, config, loss_agg_mode: str)
 def masked_policy_loss(
     mode_name: str,
     estimator: str,
-    stats: dict[str, torch.Tensor],
+    stats: TokenStats,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
@@ -249,7 +230,7 @@ def masked_policy_loss(
     has_entropy: bool,
     replace_weight: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """pdmask's loss on verl's (B, T) tensors: :meth:`pdmask.PolicyLoss.from_stats`, the
+    """pdmask's loss on verl's (B, T) tensors: :func:`pdmask.loss_from_stats`, the
     core's pipeline (mask, corrections, surrogate, aggregation), with verl's
     ``agg_loss`` arguments as its :class:`pdmask.Aggregation`; nothing is aggregated here.
 
@@ -266,7 +247,7 @@ def masked_policy_loss(
     weights = {}
     if rollout_is_weights is not None:
         weights["is_weights" if replace_weight else "loss_weights"] = rollout_is_weights
-    out = spec.from_stats({**stats, "logp": log_prob}, advantages, response_mask, **weights)
+    out = spec.from_stats(stats, advantages, response_mask, **weights)
     m = dict(out.metrics)
     m.pop("loss")  # verl reports the loss itself (actor/pg_loss)
     if not has_entropy:

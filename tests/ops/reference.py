@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_chunk_size
-from ..divergences import floor_log
+from pdmask._validate import check_chunk_size
+from pdmask.divergences import floor_log
 
 #: Default chunk budget in elements: 16 M (64 MiB of float32 per temporary).
 CHUNK_ELEMENTS = 1 << 24
