@@ -41,8 +41,7 @@ from fractions import Fraction
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from ...aggregation import aggregate
-from ...loss import Aggregation
+from ...loss import Aggregation, aggregate
 from ...ops import Hidden
 from ...rollout import Rollout
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
