@@ -181,7 +181,7 @@ class Phases:
 
     @contextlib.contextmanager
     def patched(self):
-        import pdmask.batchmask.mask as M
+        import pdmask.lab.batchmask.mask as M
 
         saved = [(M.dirl, "response_logits"), (M, "token_stats"), (M.pre, "precondition_"),
                  (M.dirl, "jvp_logprob"), (M, "jvp_top_logprob"), (torch.autograd, "grad")]

@@ -20,13 +20,13 @@ Public API (pure tensor functions taking a few typed objects):
 - :func:`aggregate` — verl's loss aggregation modes.
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
 - :func:`batch_mask`, :class:`BatchMask` — the batch-aware mask (needs the model;
-  :mod:`pdmask.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
+  :mod:`pdmask.lab.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
   ``corrections=`` :class:`Corrections`).
 """
 
-from .batchmask import BatchMask, batch_mask
+from .lab.batchmask import BatchMask, batch_mask
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
 from .directions import ddot_autograd

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pdmask.audit.grid import grid_markdown, select_cells
+from pdmask.lab.audit.grid import grid_markdown, select_cells
 
 
 def test_cells_are_the_product_in_run_order():
@@ -51,7 +51,7 @@ def _fp(**trainer):
 def test_seeds_written_before_a_trainer_field_existed_resume_at_its_default(tmp_path):
     """A seed directory whose settings predate a trainer field (here: the off-policy
     corrections) is resumed when the field is at its default, refused when it is not."""
-    from pdmask.audit.command import _seed_dir
+    from pdmask.lab.audit.command import _seed_dir
 
     new = _fp()
     old = {**new, "trainer": {k: v for k, v in new["trainer"].items() if k not in ("is_level", "is_mask")}}

@@ -12,10 +12,10 @@ pytest.importorskip("transformers")
 
 from audit_toy import llama_batch, perturbed, tiny_llama  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
-from pdmask.audit import AuditConfig  # noqa: E402
-from pdmask.audit.instruments import (GROUPS, inner_products, optimizer_preconditioner, token_objectives,  # noqa: E402
+from pdmask.lab.audit import AuditConfig  # noqa: E402
+from pdmask.lab.audit.instruments import (GROUPS, inner_products, optimizer_preconditioner, token_objectives,  # noqa: E402
                                       total_inner_product)
-from pdmask.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
+from pdmask.lab.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 
 F64 = torch.float64

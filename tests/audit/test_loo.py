@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from audit_toy import BigramLM, bigram_forward, perturbed, sample_batch
-from pdmask.audit import AuditConfig
-from pdmask.audit.loo import BatchStep, aggregation_weights
-from pdmask.audit.steps import batch_step, rollout_stats
+from pdmask.lab.audit import AuditConfig
+from pdmask.lab.audit.loo import BatchStep, aggregation_weights
+from pdmask.lab.audit.steps import batch_step, rollout_stats
 
 F64 = torch.float64
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pdmask.audit.criteria import out_of_region
-from pdmask.audit.rates import classify, classify_seed, rate
+from pdmask.lab.audit.criteria import out_of_region
+from pdmask.lab.audit.rates import classify, classify_seed, rate
 
 # Eight tokens. Columns: A, D, log r (ratio criterion), Ddot (predictive), dD (realized).
 #   tok  A    D     log r  Ddot   dD     ratio says        predictive says

@@ -5,7 +5,7 @@ import torch
 
 from tests import flat  # noqa: E402
 
-from pdmask.batchmask import batch_mask, decoder_parts, select_params
+from pdmask.lab.batchmask import batch_mask, decoder_parts, select_params
 
 from .helpers import TinyLM, make_batch, per_token_oracle, tiny_llama
 

@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("transformers", reason="the ladder needs the 'train' extra")
 
-from pdmask.train.ladder import load_spec, plan_cells  # noqa: E402
+from pdmask.lab.ladder import load_spec, plan_cells  # noqa: E402
 
 from .test_cli_config import one_line_error  # noqa: E402
 
@@ -123,7 +123,7 @@ def test_a_damaged_prefix_source_is_not_taken_naming_the_file_and_the_cell_runs(
 
 def test_a_cell_whose_prefix_source_is_damaged_really_runs(tmp_path, smoke, smoke_cache, cli_run):
     """No mock: the refused source leaves nothing in the cell, which trains to the end."""
-    from pdmask.train.ladder import cell_status
+    from pdmask.lab.ladder import cell_status
 
     spec = _spec(tmp_path, smoke)
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import torch
 
 import pdmask
 
-from pdmask.batchmask import batch_mask
+from pdmask.lab.batchmask import batch_mask
 from pdmask.engine.hf import HFEngine, response_logits
 from tests.flat import policy_loss
 from pdmask.train.config import effective_is_cap, load_config, replace

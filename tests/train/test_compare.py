@@ -2,7 +2,7 @@
 
 import json
 
-from pdmask.train.compare import plan_runs
+from pdmask.lab.compare import plan_runs
 from pdmask.train.config import load_config
 from pdmask.train.logging import read_jsonl
 

@@ -153,7 +153,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
-        from ..batchmask import METHODS
+        from ..lab.batchmask import METHODS
         from ..directions import ESTIMATORS
         from ..keys import SUPPORTS
         from .._validate import LOSS_AGGS

@@ -60,7 +60,7 @@ def import_peft():
 
 
 def _blocks(model):
-    from ..batchmask.params import decoder_parts
+    from ..lab.batchmask.params import decoder_parts
 
     blocks, _head, norm = decoder_parts(model)
     return blocks, norm

@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..batchmask import BatchMask
+from ..lab.batchmask import BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
 from ..loss import PolicyLossOutput
@@ -145,12 +145,12 @@ def is_batch_mode(mode: str) -> bool:
 
 
 def batch_params(cfg: TrainConfig):
-    """``cfg.batch_params`` as :class:`pdmask.batchmask.BatchMask` takes it: ``"all"`` or an int N."""
+    """``cfg.batch_params`` as :class:`pdmask.lab.batchmask.BatchMask` takes it: ``"all"`` or an int N."""
     return "all" if cfg.batch_params == "all" else int(cfg.batch_params)
 
 
 def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
-    """The (cached) :class:`pdmask.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
+    """The (cached) :class:`pdmask.lab.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
     if optimizer is None:
         raise ValueError(f"optimizer: mode {cfg.mode!r} needs the optimizer that takes the step (its state is "
                          "the preconditioner of the batch direction); pass optimizer= to compute_loss")
@@ -174,7 +174,7 @@ def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tenso
 
     At the current parameters and with ``optimizer``'s current state (the preconditioner
     of the very step the loss is for): one forward (shared with the loss), the backward of
-    Phi, ``P``, one forward-mode pass (:class:`pdmask.batchmask.BatchMask`,
+    Phi, ``P``, one forward-mode pass (:class:`pdmask.lab.batchmask.BatchMask`,
     ``share_forward=True``). Returns the (B, T, V) logits with their graph, the
     ``policy_loss`` keywords that apply the mask (``batch_ddot``) and the ``batch_*``
     diagnostics (detached).

@@ -119,7 +119,7 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
                              "nor generate() report; use a *-topk-* mode")
         if "batch" in mode.needs:
             raise ValueError(f"mask_mode: {self.mask_mode!r} needs the model-aware batch direction "
-                             "(pdmask.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
+                             "(pdmask.lab.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
         if self.rollout_top_k is None:
             self.rollout_top_k = DEFAULT_TOP_K if "topk" in mode.needs else 0
         if isinstance(self.rollout_top_k, bool) or not isinstance(self.rollout_top_k, int) or self.rollout_top_k < 0:

@@ -21,7 +21,7 @@ with ``v`` = ``exp_avg_sq`` and ``n`` = ``step`` of the state: the weight of a g
 ``g`` in the next step's bias-corrected first moment over the bias-corrected second
 moment that step would use for a vanishing ``g`` (the linearisation of AdamW's next
 update at ``g = 0``; the momentum and the decoupled weight decay do not depend on ``g``).
-It is :func:`pdmask.batchmask.precondition.preconditioner`'s ``P``, shared with the
+It is :func:`pdmask.lab.batchmask.precondition.preconditioner`'s ``P``, shared with the
 batch-aware mask. A fresh state gives ``P = lr / eps`` (a multiple of the identity).
 
 **Groups.** ``s`` splits into the output layer (``head``), the input embedding
@@ -110,7 +110,7 @@ def token_objectives(z: torch.Tensor, rb, b: int, t: int, divergence: str,
     divergences through :func:`pdmask.divergences.build_support` (S' = top-K of mu plus
     the sampled token, one tail bucket), the full ones over the vocabulary with mu =
     ``softmax(rb.rollout.logits / T)`` (logs floored as there). Tested equal to ``token_stats``."""
-    from .. import divergences as divs
+    from ... import divergences as divs
 
     dt = z.dtype
     logq = torch.log_softmax(z / temperature, -1)  # (V,)

@@ -28,12 +28,12 @@ from typing import Callable
 
 import torch
 
-from ..corrections import Corrections
-from ..loss import Aggregation, PolicyLossOutput, policy_loss
-from ..masks import Thresholds
-from ..ops import Sampling
-from ..rollout import Rollout
-from ..stats import token_stats
+from ...corrections import Corrections
+from ...loss import Aggregation, PolicyLossOutput, policy_loss
+from ...masks import Thresholds
+from ...ops import Sampling
+from ...rollout import Rollout
+from ...stats import token_stats
 from .config import AuditConfig
 
 Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]

@@ -2,7 +2,7 @@
 
 A comparison over a few seeds that finds nothing says little unless it also says what
 it *could* have found. :func:`detectable_shift` answers "which mean paired difference
-would the two-sided sign-flip test (:func:`pdmask.significance.sign_flip_test`, the test
+would the two-sided sign-flip test (:func:`pdmask.lab.significance.sign_flip_test`, the test
 every paired seed comparison here uses) reject at ``alpha`` with probability ``power``,
 given the seed-to-seed noise these runs show?".
 

@@ -33,7 +33,7 @@ import inspect
 import torch
 from torch.func import functional_call, jvp
 
-from ..ops import compute_dtype
+from ...ops import compute_dtype
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

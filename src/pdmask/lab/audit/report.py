@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..significance import format_p
-from ..train.environment import environment, one_line
+from ...train.environment import environment, one_line
 from .config import AuditConfig
 from .criteria import CRITERIA, PREDICTIVE, RATIO, predictive_name
 from .paper import PAPER
@@ -203,7 +203,7 @@ def markdown(doc: dict) -> str:
           f"{cfg['delta_high']}; batch step: mode `{cfg['step_mode']}`, {cfg['optimizer']} lr {cfg['lr']}, "
           f"loss_agg {cfg['loss_agg']}, is_cap {cfg['is_cap']}; optimizer state: "
           f"{run.get('optimizer_state', 'as given')}. All settings are in `audit.json`; every rate table is "
-          "recomputable from `audit_tokens.npz` (`pdmask.audit.report.report_from_records`).", ""]
+          "recomputable from `audit_tokens.npz` (`pdmask.lab.audit.report.report_from_records`).", ""]
     if doc.get("environment"):
         L += [one_line(doc["environment"]), ""]
     if run:
@@ -273,7 +273,7 @@ def rollouts_md(seeds: list[dict]) -> list[str]:
 
 
 def fidelity_md(F: dict, cfg: dict) -> list[str]:
-    from ..directions import ESTIMATORS
+    from ...directions import ESTIMATORS
     L = ["## Estimator fidelity", "",
          f"Sign agreement of `Ddot_topK` with the full-vocabulary `Ddot` ({cfg['divergence'].split('_')[1].upper()} "
          "family), the top-K view being the first K entries of the engine's top-K; share of the full KL (TV) that "

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import check_choice, check_positive, prepare
-from ..keys import ESTIMATORS, ddot_key
-from ..loss import broadcast_advantages
-from ..masks import Thresholds, divergence_region, get_mode
-from ..ops import Compute, Sampling, chunk_rows_for
-from ..rollout import Rollout
-from ..stats import MAX_LOG_RATIO, token_stats
+from ..._validate import check_choice, check_positive, prepare
+from ...keys import ESTIMATORS, ddot_key
+from ...loss import broadcast_advantages
+from ...masks import Thresholds, divergence_region, get_mode
+from ...ops import Compute, Sampling, chunk_rows_for
+from ...rollout import Rollout
+from ...stats import MAX_LOG_RATIO, token_stats
 from . import directional as dirl
 from . import precondition as pre
 from .params import decoder_parts, select_params

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..keys import ESTIMATORS, ddot_key
-from ..ops import Sampling
-from ..rollout import Rollout
-from ..stats import token_stats
+from ...keys import ESTIMATORS, ddot_key
+from ...ops import Sampling
+from ...rollout import Rollout
+from ...stats import token_stats
 from ..significance import DEFAULT_N_BOOT, pooled_ratio
 
 
@@ -73,7 +73,7 @@ def fidelity_counts(
 def summarize_fidelity(per_seed: list[dict], *, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> dict:
     """Across seeds: sign agreement per (set, K, estimator), aggregated = uniform, and the
     KL/TV shares, each a pooled ratio (sum over seeds / sum over seeds) with its
-    seed-cluster bootstrap interval (:func:`pdmask.significance.pooled_ratio` dicts)."""
+    seed-cluster bootstrap interval (:func:`pdmask.lab.significance.pooled_ratio` dicts)."""
     if not per_seed:
         return {}
     res: dict = {}

@@ -27,10 +27,10 @@ new cells. A cell whose stored ``config.yaml`` differs from what the spec now as
 refused (one line naming the cell and the keys), never silently mixed. ``--prefix-of DIR``
 cuts a grid's steps without rerunning it: a cell not started yet whose cell in the ladder
 ``DIR`` finished the same config with more steps becomes its first ``steps`` steps
-(:mod:`pdmask.train.prefix`, exact). Every invocation
+(:mod:`pdmask.lab.prefix`, exact). Every invocation
 appends to ``OUT/ladder_log.jsonl`` (which cells ran, fresh or resumed, wall times).
 
-The report (:mod:`pdmask.train.ladder_report`, which imports this module, not the other
+The report (:mod:`pdmask.lab.ladder_report`, which imports this module, not the other
 way round) is rebuilt from the finished cells after every ``pdmask ladder`` invocation
 (``--report-only`` rebuilds it without running anything).
 """
@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import FIELDS, TrainConfig, config_diff, load_config, replace, stored_config
+from ..train.config import FIELDS, TrainConfig, config_diff, load_config, replace, stored_config
 
 #: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
 LADDER_LOG = "ladder_log.jsonl"
@@ -148,7 +148,7 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
     (``key=value``) apply to every run (refused for a key a rung sets: that would erase the rung)."""
     import yaml
 
-    from .config import parse_override
+    from ..train.config import parse_override
 
     p = Path(path)
     if not p.is_file():
@@ -228,7 +228,7 @@ def cell_status(cell: Cell) -> str:
     """``done`` (finished run of this config), ``partial`` (a run to resume) or ``todo``.
 
     Raises ValueError when the cell's directory holds a run made with other settings."""
-    from .logging import read_jsonl
+    from ..train.logging import read_jsonl
 
     d = cell.cfg.run_dir
     try:
@@ -308,7 +308,7 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
     import yaml
 
     if jobs == 1:
-        from .grpo import train
+        from ..train.grpo import train
 
         for c, st in todo:
             t = time.time()
@@ -355,7 +355,7 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
 def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: Path, console) -> int:
     """Each cell not started yet whose cell in the ladder ``prefix_of`` is a finished longer
     run of the same config becomes that run's first ``steps`` steps
-    (:mod:`pdmask.train.prefix`); a source cell that cannot stand in is named with its
+    (:mod:`pdmask.lab.prefix`); a source cell that cannot stand in is named with its
     reason and the cell runs. Returns how many cells were taken."""
     from .prefix import PrefixRefused, take_prefix
 
@@ -385,11 +385,11 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
     for this ladder's cells not started yet (:func:`take_prefixes`), before anything runs.
 
     Returns ``{"executed": {"fresh": n, "resume": n}, "prefix": n, "status": {cell: status
-    before this call}}``. The report is :func:`pdmask.train.ladder_report.build_report`
+    before this call}}``. The report is :func:`pdmask.lab.ladder_report.build_report`
     (``pdmask ladder`` calls it after every invocation)."""
     from rich.console import Console
 
-    from .sft import ensure_sft_checkpoint, sft_key
+    from ..train.sft import ensure_sft_checkpoint, sft_key
 
     console = console or Console()
     if jobs < 1:

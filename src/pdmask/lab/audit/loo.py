@@ -27,7 +27,7 @@ Everything runs on a float64 copy of the model (the caller's model is never touc
 one token's contribution to a step over thousands of tokens moves D by ~1e-7 relative,
 far below float32 rounding of the logits.
 
-API (also used by the batch-mask evaluation, :mod:`pdmask.audit.phi`)::
+API (also used by the batch-mask evaluation, :mod:`pdmask.lab.audit.phi`)::
 
     bs = BatchStep(model, forward, rb, advantages, cfg, optimizer_state=state)
     bs.D0                                   # (B, T) D at theta (float64)
@@ -60,7 +60,7 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg: str, dtype=F64) -
     :func:`pdmask.loss.aggregate` is linear in the per-token values with denominators
     that depend only on the response mask, so its gradient at any point is the weight.
     token-mean: ``1 / N``; seq-mean-token-mean: ``1 / (n_b * B')``; and so on."""
-    from ..loss import Aggregation, aggregate
+    from ...loss import Aggregation, aggregate
 
     x = torch.zeros(response_mask.shape, dtype=dtype, requires_grad=True)
     (g,) = torch.autograd.grad(aggregate(x, response_mask, Aggregation(loss_agg)), x)
@@ -100,7 +100,7 @@ class BatchStep:
 
     def __init__(self, model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor, cfg: AuditConfig,
                  *, optimizer_state: dict | None = None, dtype: torch.dtype = F64):
-        from ..masks import MODES
+        from ...masks import MODES
 
         if "batch" in MODES[cfg.step_mode].needs:
             raise ValueError(f"step_mode: {cfg.step_mode!r} needs an external batch direction; "

@@ -1,6 +1,6 @@
 """The ladder's figure: held-out accuracy and collapse rate against each rung's measured
 mismatch, per mode (:func:`plot_ladder`, written as ``ladder.png`` by
-:func:`pdmask.train.ladder_report.build_report`)."""
+:func:`pdmask.lab.ladder_report.build_report`)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..keys import ESTIMATORS, ddot_key
-from ..ops import chunk_rows_for, compute_dtype
+from ...keys import ESTIMATORS, ddot_key
+from ...ops import chunk_rows_for, compute_dtype
 
 RATIO = "ratio"
 FULL = "pred-full"

@@ -54,16 +54,16 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     latest checkpoint's trainer weights are audited, its engine weights are restored
     when the engine precision is the run's, and its AdamW state starts the batch step).
     """
-    from ..engine.hf import response_logits
-    from ..train.checkpoint import is_run_dir, latest_checkpoint, load_weights
-    from ..train.config import replace
-    from ..train.grpo import setup
-    from ..train.model import num_params
-    from ..train.rollout import rollout_step, zero_advantage_warning
-    from ..train.sft import sft_info
-    from ..train.trainable import engine_state_dict, variant
+    from ...engine.hf import response_logits
+    from ...train.checkpoint import is_run_dir, latest_checkpoint, load_weights
+    from ...train.config import replace
+    from ...train.grpo import setup
+    from ...train.model import num_params
+    from ...train.rollout import rollout_step, zero_advantage_warning
+    from ...train.sft import sft_info
+    from ...train.trainable import engine_state_dict, variant
 
-    from ..train.named_models import resolve_model
+    from ...train.named_models import resolve_model
 
     if not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag: must be a non-negative int, got {lag!r}")
@@ -129,7 +129,7 @@ def rollout_shape(ro, eos_id: int) -> dict:
     """What a rollout batch says about the task at this temperature: the share of responses
     that end (write EOS within the budget) and the engine's probability mass beyond its
     reported top-K, mean over response tokens (``1 - sum_k mu_k``)."""
-    from ..train.rollout import response_shape
+    from ...train.rollout import response_shape
 
     m = ro.batch.response_mask.bool()
     ended, tail = response_shape(ro.batch, eos_id)  # (B,), (B, T)
@@ -147,8 +147,8 @@ def _lag_steps(policy, optimizer, sample, tcfg, lag, console):
 
     ``optimizer``: the trainer's AdamW over ``policy`` (fresh, or holding a run's state).
     Returns the optimizer state after the steps and a log line per step."""
-    from ..train.progress import make_progress
-    from ..train.update import update_step
+    from ...train.progress import make_progress
+    from ...train.update import update_step
 
     opt, log = optimizer, []
     with make_progress(tcfg.progress, console) as prog:

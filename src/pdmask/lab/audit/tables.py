@@ -7,7 +7,7 @@ the realized (or predicted-exactly) change of every *step kind* (``dD_batch``,
 :func:`tables` turns them into the report's numbers, so a report can be recomputed from
 the records with nothing else (tested).
 
-Statistics (:mod:`pdmask.significance`):
+Statistics (:mod:`pdmask.lab.significance`):
 
 - a rate is **pooled** over tokens: sum of the numerators over sum of the
   denominators across seeds, with a seed-cluster percentile bootstrap interval (seeds

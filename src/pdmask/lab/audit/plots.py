@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..directions import ESTIMATORS
+from ...directions import ESTIMATORS
 from .criteria import CRITERIA, RATIO, predictive_name
 from .paper import PAPER
 from .tables import KINDS

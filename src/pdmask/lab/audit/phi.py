@@ -1,13 +1,13 @@
 """Judging the batch-aware mask by the audit: what one masked batch step
 does to the out-of-region divergence ``Phi = sum_{s in O} D_s`` (O fixed at theta).
 
-Per seed, on the audit's rollout batch (:func:`pdmask.audit.source.build_source`, so the
+Per seed, on the audit's rollout batch (:func:`pdmask.lab.audit.source.build_source`, so the
 same batches as every other audit of the checkpoint) and from a warm optimizer state (a
 run directory's AdamW, or the state after ``--lag`` steps):
 
 1. **Scores.** For every token: ``ratio`` ``A log r``; ``pdm-exact`` ``A Ddot`` (the
    per-token predictive direction, exact top-K estimator); ``pdm-batch`` ``c_t`` of
-   :class:`pdmask.batchmask.BatchMask` (``params="all"``, and ``pdm-batch-lastN`` for
+   :class:`pdmask.lab.batchmask.BatchMask` (``params="all"``, and ``pdm-batch-lastN`` for
    each ``N`` asked for); ``random`` (a seeded random ranking, the reference). A score
    > 0 means "outward".
 2. **Matched masked fraction.** For ``m = max(1, round(f |O|))`` and each ``f``, every
@@ -37,7 +37,7 @@ Naive equivalent (what the tests compare with): two full steps, the second with
 
 Run it (resumable: one JSON per finished seed under ``OUT/seeds/``)::
 
-    python -m pdmask.audit.phi --model runs/phi-src/dppo-topk-kl-s0 --seeds 8 --out runs/audit-phi
+    python -m pdmask.lab.audit.phi --model runs/phi-src/dppo-topk-kl-s0 --seeds 8 --out runs/audit-phi
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ from pathlib import Path
 import torch
 
 from ..batchmask import BatchMask
-from ..engine.hf import response_logits
-from ..corrections import Corrections
-from ..loss import Aggregation, aggregate, broadcast_advantages, policy_loss
-from ..masks import MODES, Thresholds, divergence_region, get_mode
+from ...engine.hf import response_logits
+from ...corrections import Corrections
+from ...loss import Aggregation, aggregate, broadcast_advantages, policy_loss
+from ...masks import MODES, Thresholds, divergence_region, get_mode
 from ..significance import DEFAULT_N_BOOT
-from ..ops import Sampling
-from ..stats import token_stats
-from ..train.config import effective_is_cap
+from ...ops import Sampling
+from ...stats import token_stats
+from ...train.config import effective_is_cap
 from .config import default_delta
 from .phi_report import markdown, sign_counts, summarize  # noqa: F401  (the report; re-exported)
 
@@ -163,7 +163,7 @@ class PhiStep:
     def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
                  delta_low: float = MODES["pdm-topk-kl"].default_delta,
                  delta_high: float = MODES["pdm-topk-kl"].default_delta):
-        from ..train.update import ADAMW_BETAS
+        from ...train.update import ADAMW_BETAS
 
         self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
         self.betas = ADAMW_BETAS
@@ -288,7 +288,7 @@ def _sample(mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
 
 def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
     """Every criterion's (B, T) float64 score on the seed's batch (> 0: outward)."""
-    from ..keys import ddot_key
+    from ...keys import ddot_key
 
     st, A = ps.stats, ps.A
     gen = torch.Generator().manual_seed(int(seed) * 7 + 3)
@@ -377,7 +377,7 @@ class PhiRun:
 def run(tcfg, settings: PhiSettings, *, out, model: str = "", lag: int = 0, seeds: int = 8, seed_offset: int = 0,
         command: str = "", console=None) -> dict:
     """Evaluate ``seeds`` batches of the audit's source and write ``phi.json`` / ``phi.md``."""
-    from ..train.environment import environment
+    from ...train.environment import environment
     from .source import build_source
 
     settings.validate()
@@ -420,7 +420,7 @@ def _floats(text: str, name: str) -> tuple:
 
 
 def main(argv=None) -> None:
-    """``python -m pdmask.audit.phi --help``."""
+    """``python -m pdmask.lab.audit.phi --help``."""
     import shlex
     import sys
 
@@ -445,8 +445,8 @@ def main(argv=None) -> None:
     ) -> None:
         from rich.console import Console
 
-        from ..train.checkpoint import is_run_dir
-        from ..train.config import load_config
+        from ...train.checkpoint import is_run_dir
+        from ...train.config import load_config
 
         try:
             cfg_path = config if config is not None else (
@@ -460,7 +460,7 @@ def main(argv=None) -> None:
                                    bootstrap=bootstrap)
             console = Console(stderr=True)
             run(tcfg, settings, out=out, model=model, lag=lag, seeds=seeds, seed_offset=seed_offset,
-                command="python -m pdmask.audit.phi " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                command="python -m pdmask.lab.audit.phi " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                 console=console)
             console.print(f"wrote {out / 'phi.md'}")
         except ValueError as e:

@@ -30,9 +30,9 @@ _NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
 
 def _configs(a: dict):
     """(trainer config, audit config) from the command's arguments; every check made here."""
-    from ..train.checkpoint import is_run_dir
-    from ..train.config import effective_is_cap, load_config
-    from ..train.update import ADAMW_BETAS
+    from ...train.checkpoint import is_run_dir
+    from ...train.config import effective_is_cap, load_config
+    from ...train.update import ADAMW_BETAS
     from .config import AuditConfig
 
     if a["seeds"] < 1:
@@ -116,7 +116,7 @@ def _with_new_defaults(old: dict, fp: dict) -> dict:
     non-default value stays a difference."""
     from dataclasses import fields
 
-    from ..train.config import TrainConfig
+    from ...train.config import TrainConfig
 
     defaults = json.loads(json.dumps({x.name: getattr(TrainConfig(), x.name) for x in fields(TrainConfig)},
                                      default=str))
@@ -174,8 +174,8 @@ def save_seed(d: Path, r) -> None:
     to a temporary name and renamed, so a seed file is whole or absent."""
     from safetensors.torch import save_file
 
-    from ..train.checkpoint import encode_tree
-    from ..train.rundir import writing
+    from ...train.checkpoint import encode_tree
+    from ...train.rundir import writing
 
     tensors: dict = {}
     tree = encode_tree({"seed": r.seed, "info": r.info, "tokens": r.tokens, "entropy": r.entropy,
@@ -191,7 +191,7 @@ def load_seed(path: Path):
     ValueError naming it."""
     from safetensors import safe_open
 
-    from ..train.checkpoint import decode_tree
+    from ...train.checkpoint import decode_tree
     from .runner import SeedResult
 
     def bad(why):
@@ -233,11 +233,11 @@ def _audit_seeds(a: dict, tcfg, cfg, d: Path, todo: list[int], console, progress
 def ensure_base(a: dict, tcfg, threads: int, console) -> None:
     """Train (or find) the SFT base once in this process, with ``threads`` threads, before
     parallel workers start (each would otherwise train the same base)."""
-    from ..train.checkpoint import is_run_dir
-    from ..train.config import replace
-    from ..train.sft import ensure_sft_checkpoint
+    from ...train.checkpoint import is_run_dir
+    from ...train.config import replace
+    from ...train.sft import ensure_sft_checkpoint
 
-    from ..train.named_models import is_named, resolve_model
+    from ...train.named_models import is_named, resolve_model
 
     if is_named(a["model"]):  # converted once here, not raced by the workers
         resolve_model(a["model"], cache_dir=tcfg.cache_dir or None, console=console)
@@ -263,7 +263,7 @@ def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
     procs = []
     for i in range(jobs):
         log = open(d / f"worker-{i}.log", "w")
-        cmd = [sys.executable, "-c", f"from pdmask.audit.command import _worker; _worker({str(d / 'worker-args.json')!r}, {i}, {jobs})"]
+        cmd = [sys.executable, "-c", f"from pdmask.lab.audit.command import _worker; _worker({str(d / 'worker-args.json')!r}, {i}, {jobs})"]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log, i))
     total, done0 = len(todo), lambda: sum(seed_path(d, s).exists() for s in todo)
     console.print(f"audit: {total} seeds in {jobs} workers (logs: {d}/worker-*.log)", soft_wrap=True)

@@ -4,7 +4,7 @@ collapse rate over seeds, paired differences against the reference mode, and a p
 Built from the finished cells of ``OUT/<rung>/`` (an unfinished cell is left out and
 named in the notes). Writes ``OUT/ladder.json``, ``OUT/ladder.md``, ``OUT/ladder.png``
 and, per rung, the across-seed ``summary.json`` / ``summary.md`` of
-:mod:`pdmask.train.seed_summary` plus ``report/eval_accuracy_bands.png``.
+:mod:`pdmask.lab.seed_summary` plus ``report/eval_accuracy_bands.png``.
 
 The report reads only the records :data:`RECORD_FILES` of each run and
 ``OUT/ladder_log.jsonl``, never a checkpoint: :func:`export_records` copies them into a
@@ -25,7 +25,7 @@ Definitions (also written into ``ladder.json``):
   compared on the same seeds with McNemar's exact test.
 - **final accuracy**: held-out greedy accuracy at the last eval, mean over seeds with a
   seed-bootstrap percentile interval; paired differences against the reference with the
-  sign-flip p-value (:func:`pdmask.significance.paired_difference`).
+  sign-flip p-value (:func:`pdmask.lab.significance.paired_difference`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import json
 import math
 from pathlib import Path
 
-from ..significance import DEFAULT_N_BOOT
-from .environment import environment, environments_line, one_line, runs_environments
+from .significance import DEFAULT_N_BOOT
+from ..train.environment import environment, environments_line, one_line, runs_environments
 from .ladder import LADDER_LOG
-from .logging import read_jsonl
+from ..train.logging import read_jsonl
 from .seed_summary import DETECTABLE_DEFINITION, DETECTABLE_HEADER, detectable_cell, json_safe
 
 N_BOOT = DEFAULT_N_BOOT
@@ -58,7 +58,7 @@ def export_records(spec, out: str | Path, dest: str | Path) -> int:
     for every rung of ``spec``, each run directory's :data:`RECORD_FILES` (a finished,
     unfinished or foreign run alike, so that the report built from ``dest`` names the same
     runs the same way), the rung's ``summary.json`` (an earlier writer's keys survive a
-    rebuild), and :data:`pdmask.train.ladder.LADDER_LOG`. A record a run no longer has is
+    rebuild), and :data:`pdmask.lab.ladder.LADDER_LOG`. A record a run no longer has is
     removed from its copy; other files in ``dest`` are left alone. Returns the number of
     runs copied.
     Naive equivalent: ``rsync -a --include='*/' --include='{config.yaml,metrics.jsonl,summary.json}'
@@ -115,7 +115,7 @@ def collapsed(worst_drop: float, final: float, step0: float | None, drop: float)
 
 def _boot_mean(values: list[float], seed: int = 0) -> dict:
     """Mean over seeds with its seed-bootstrap percentile interval (``pooled_ratio`` with unit weights)."""
-    from ..significance import pooled_ratio
+    from .significance import pooled_ratio
 
     r = pooled_ratio(values, [1.0] * len(values), n_boot=N_BOOT, seed=seed)
     return {"estimate": r.estimate, "lo": r.lo, "hi": r.hi, "n": r.n_clusters, "per_seed": list(values)}
@@ -188,7 +188,7 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
 def build_report(spec, out: str | Path, *, console=None, plot: bool = True, command: str | None = None) -> dict:
     """Assemble (and write) the ladder report from the finished cells under ``out``;
     ``command``, the command line that writes it, is named at the page's top."""
-    from ..significance import clopper_pearson, mcnemar_exact
+    from .significance import clopper_pearson, mcnemar_exact
     from .ladder import plan_cells
     from .ladder_pooled import pooled_vs_reference
     from .report import load_summaries, plot_curve_bands, plot_eval_bands, write_summary
@@ -336,7 +336,7 @@ def wall_times(out: Path) -> dict:
 
 # ------------------------------------------------------------------ tables
 def _iv(d: dict | None, spec: str = ".3f", sign: bool = False) -> str:
-    from ..significance import format_interval
+    from .significance import format_interval
 
     if d is None or d.get("estimate") is None:
         return "-"
@@ -345,7 +345,7 @@ def _iv(d: dict | None, spec: str = ".3f", sign: bool = False) -> str:
 
 
 def _p(p) -> str:
-    from ..significance import format_p
+    from .significance import format_p
 
     return format_p(p if p is not None else math.nan)
 

@@ -5,7 +5,7 @@ accuracy, area under the eval curve, worst drop from the running best, final mis
 masked fraction). The runs of a ``pdmask compare`` share data and seeds, so a mode is
 compared with the reference mode **seed by seed** (:func:`seed_summary`): the mean of
 the per-seed differences with a seed-bootstrap interval and an exact sign-flip p-value
-(:mod:`pdmask.significance`). Rendered by :func:`seed_tables` (rich) and
+(:mod:`pdmask.lab.significance`). Rendered by :func:`seed_tables` (rich) and
 :func:`seed_markdown`; written by ``pdmask compare`` and ``pdmask report`` into
 ``summary.json`` (key ``across_seeds``) and ``summary.md``.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..significance import DEFAULT_N_BOOT
-from .logging import read_jsonl
+from .significance import DEFAULT_N_BOOT
+from ..train.logging import read_jsonl
 
 
 def run_label(run: Path) -> tuple[str, str]:
@@ -61,7 +61,7 @@ SEED_DEFINITIONS = {
 DETECTABLE_HEADER = "detectable Δ final acc (80% power)"
 DETECTABLE_DEFINITION = ("the smallest mean paired difference of final accuracy (either sign) that "
                          "a two-sided sign-flip test on these n seeds rejects at alpha = 0.05 with 80% power, the "
-                         "noise resampled from the observed per-seed differences (pdmask.power.detectable_shift); "
+                         "noise resampled from the observed per-seed differences (pdmask.lab.power.detectable_shift); "
                          "'none' when n seeds cannot reach p <= 0.05 at all")
 SEED_DEFINITIONS["detectable"] = DETECTABLE_DEFINITION
 
@@ -134,7 +134,7 @@ def _reference_group(groups: dict, reference: str, delta) -> str | None:
 
 def resolution_note(n: int) -> str:
     """What ``n`` paired seeds can resolve, in one honest line."""
-    from ..significance import min_sign_flip_p
+    from .significance import min_sign_flip_p
 
     if n < 1:
         return "No paired seeds: nothing can be compared."
@@ -157,15 +157,15 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
     a seed-cluster bootstrap interval). Against the reference group (same delta when
     there is one), on the seeds both have: the mean paired difference with a seed
     bootstrap interval and the two-sided sign-flip p-value
-    (:func:`pdmask.significance.paired_difference`); for the masked fraction, the
+    (:func:`pdmask.lab.significance.paired_difference`); for the masked fraction, the
     difference of the pooled fractions with a paired cluster bootstrap and the sign-flip
     p-value of the per-seed fraction differences.
 
     ``require_reference``: raise if no run has mode ``reference`` (else the paired part
     is left out with a note).
     """
-    from ..power import detectable_shift
-    from ..significance import paired_difference, paired_ratio_difference, pooled_ratio, sign_flip_test
+    from .power import detectable_shift
+    from .significance import paired_difference, paired_ratio_difference, pooled_ratio, sign_flip_test
 
     boot = dict(n_boot=n_boot, level=level, seed=seed)
     groups: dict[str, dict] = {}
@@ -259,7 +259,7 @@ def _cell(stat: dict | None, spec: str) -> str:
 
 
 def _diff_cell(d: dict | None, spec: str) -> str:
-    from ..significance import format_interval, format_p
+    from .significance import format_interval, format_p
 
     if d is None:
         return "-"
@@ -276,7 +276,7 @@ def detectable_cell(d: dict | None) -> str:
 
 
 def _pooled_cell(p: dict) -> str:
-    from ..significance import format_rate
+    from .significance import format_rate
 
     return format_rate(p["estimate"], p["lo"], p["hi"], n_units=p["den"], spec=".3%")
 

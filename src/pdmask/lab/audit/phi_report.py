@@ -1,4 +1,4 @@
-"""The report of the batch-mask evaluation by Phi (:mod:`pdmask.audit.phi`): the pooled
+"""The report of the batch-mask evaluation by Phi (:mod:`pdmask.lab.audit.phi`): the pooled
 sign accuracies against leave-one-out, the matched-fraction dPhi with paired per-seed
 tests, each criterion's own mask, and the page ``phi.md``."""
 
@@ -28,7 +28,7 @@ def summarize(records: list[dict], settings) -> dict:
     """Pooled sign accuracies (cluster bootstrap, exact binomial vs 1/2, McNemar between
     criteria) and the matched-fraction dPhi per criterion (pooled per token of O, paired
     per-seed differences with sign-flip tests). ``settings``: the run's
-    :class:`pdmask.audit.phi.PhiSettings`."""
+    :class:`pdmask.lab.audit.phi.PhiSettings`."""
     from .. import significance as sig
 
     nb, bs = settings.bootstrap, settings.bootstrap_seed
@@ -120,7 +120,7 @@ def markdown(doc: dict) -> str:
              f"optimizer state: {doc['run'].get('optimizer_state', '')}.", ""]
     env = doc["run"].get("environment")
     if env:
-        from ..train.environment import one_line
+        from ...train.environment import one_line
 
         lines += [one_line(env), ""]
     times = sorted(r["time_s"] for r in doc.get("records", []) if r.get("time_s") is not None)

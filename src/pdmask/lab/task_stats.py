@@ -41,9 +41,9 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
     from ..engine.registry import build_engine
     from ..ops import Sampling
     from ..stats import token_stats
-    from .config import replace
-    from .grpo import setup
-    from .rollout import response_shape, rollout_step
+    from ..train.config import replace
+    from ..train.grpo import setup
+    from ..train.rollout import response_shape, rollout_step
 
     if batches < 1:
         raise ValueError(f"batches: must be >= 1, got {batches}")
@@ -86,7 +86,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             "tail_beyond_topk": _dist(r["tail"]), "tail_over_1pct": float((r["tail"] > 0.01).mean()),
             "entropy": _dist(r["entropy"]), "topk_kl": _dist(r["topk_kl"]), "full_kl": _dist(r["full_kl"]),
             "binary_kl": _dist(r["binary_kl"]), "wall_s": round(time.time() - t1, 1)}
-    from .environment import environment
+    from ..train.environment import environment
 
     out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.temperature,
                 "top_k": cfg.top_k, "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
@@ -102,7 +102,7 @@ def task_stats_md(doc: dict, command: str) -> str:
          f"tokens at most, top-K = {doc['top_k']}. Mismatch: each engine against the fp32 policy at the same "
          "weights (no lag).", ""]
     if doc.get("environment"):
-        from .environment import one_line
+        from ..train.environment import one_line
 
         L += [one_line(doc["environment"]), ""]
     precs = list(doc["precisions"])
@@ -128,7 +128,7 @@ def task_stats_md(doc: dict, command: str) -> str:
 
 
 def write_task_stats(doc: dict, out: str | Path, command: str) -> list[Path]:
-    from .rundir import writing
+    from ..train.rundir import writing
 
     out = Path(out)
     with writing(out):

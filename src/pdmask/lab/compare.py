@@ -5,7 +5,7 @@ rollout seeds of each RL seed, so they differ only by the mode (and delta). Outp
 ``out/``: one run directory per run, ``report/*.png``, ``summary.json`` (per-run
 summaries, the step-time ratios, wall time, machine load, and under ``across_seeds`` the
 per-mode summary over seeds with paired differences against ``reference``: see
-:mod:`pdmask.train.seed_summary`) and ``summary.md``. ``pdmask report OUT`` rebuilds
+:mod:`pdmask.lab.seed_summary`) and ``summary.md``. ``pdmask report OUT`` rebuilds
 the across-seed part of both files from the run directories without rerunning anything.
 
 Step-time ratio of two modes, measured two ways:
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig, replace
-from .environment import environment
-from .grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
+from ..train.config import TrainConfig, replace
+from ..train.environment import environment
+from ..train.grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
 from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
-from .rollout import decode_responses, group_advantages, rewards_for
+from ..train.rollout import decode_responses, group_advantages, rewards_for
 from .seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
-from .sft import ensure_sft_checkpoint, sft_info
+from ..train.sft import ensure_sft_checkpoint, sft_info
 
 
 #: (baseline, predictive) modes whose step-time ratio is reported

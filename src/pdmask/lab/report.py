@@ -7,7 +7,7 @@ several seeds of a mode the thin lines are the seeds and the thick line their me
 across seeds; ``curves_bands.png`` the same for accuracy, reward, entropy, response length
 and mismatch side by side.
 
-The across-seed summary with paired tests is in :mod:`pdmask.train.seed_summary`.
+The across-seed summary with paired tests is in :mod:`pdmask.lab.seed_summary`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from .environment import environment, environments_line, one_line, runs_environments
-from .logging import read_jsonl
+from ..train.environment import environment, environments_line, one_line, runs_environments
+from ..train.logging import read_jsonl
 from .seed_summary import run_label
 
 #: (file name, title, [(metric key, label suffix)], y label, smoothing window)
@@ -282,8 +282,8 @@ def markdown_table(summaries: list[dict]) -> str:
 
 def load_summaries(runs: list[Path]) -> list[dict]:
     """``summary.json`` of each run (recomputed from metrics.jsonl when missing)."""
-    from .config import load_config
-    from .grpo import summarize
+    from ..train.config import load_config
+    from ..train.grpo import summarize
 
     out = []
     for r in runs:

@@ -7,7 +7,7 @@ the reference the seed is the unit the whole ladder shares: per seed ``s``,
     d_s = mean over the rungs R (where both modes ran) of  acc[r, mode, s] - acc[r, ref, s]
 
 and the pooled comparison is the mean of ``d_s`` over seeds with a seed-bootstrap
-interval and a two-sided sign-flip p (:func:`pdmask.significance.paired_difference` on
+interval and a two-sided sign-flip p (:func:`pdmask.lab.significance.paired_difference` on
 the per-seed means). Flipping the sign of a whole seed (all its rungs at once) is the
 valid null here: runs of one seed share the SFT base, the prompts and the sampling seeds
 across rungs, so their differences need not be independent. Only seeds that ran both
@@ -25,16 +25,16 @@ one rung is diluted by the others (the per-rung rows say where).
 
 from __future__ import annotations
 
-from ..significance import DEFAULT_N_BOOT
+from .significance import DEFAULT_N_BOOT
 
 
 def pooled_vs_reference(rep: dict, *, n_boot: int = DEFAULT_N_BOOT, seed: int = 0) -> list[dict]:
     """Per mode other than the reference: the final-accuracy difference pooled over the
     rungs where both ran (module docstring). ``rep`` is the ladder report
-    (:func:`pdmask.train.ladder_report.build_report`); each row is a dict with ``mode``,
+    (:func:`pdmask.lab.ladder_report.build_report`); each row is a dict with ``mode``,
     ``rungs`` (names), ``seeds`` (used), ``seeds_dropped``, ``per_seed`` (d_s) and the
-    :class:`~pdmask.significance.PairedDifference` fields under ``diff``."""
-    from ..significance import paired_difference
+    :class:`~pdmask.lab.significance.PairedDifference` fields under ``diff``."""
+    from .significance import paired_difference
 
     ref = rep["reference"]
     modes: list[str] = []
@@ -65,7 +65,7 @@ def pooled_vs_reference(rep: dict, *, n_boot: int = DEFAULT_N_BOOT, seed: int = 
 
 def pooled_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) of the pooled table for the markdown and the console."""
-    from ..significance import format_interval, format_p
+    from .significance import format_interval, format_p
 
     h = ["mode", "rungs", "seeds", "Δ final acc vs " + rep["reference"] + " (mean over rungs)",
          "seeds up / down", "p (sign-flip over seeds)"]

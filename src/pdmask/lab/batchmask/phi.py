@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ..divergences import build_support
-from ..ops import compute_dtype
+from ...divergences import build_support
+from ...ops import compute_dtype
 
 #: Divergences the batch-aware mask is defined for (the ones its modes use).
 PHI_DIVERGENCES = ("topk_kl", "topk_tv")

@@ -1,6 +1,6 @@
 """``pdmask audit-grid``: does the audit's verdict generalise across model shapes?
 
-One audit (:func:`pdmask.audit.cli.run_cli`, the same settings everywhere) per cell of
+One audit (:func:`pdmask.lab.audit.cli.run_cli`, the same settings everywhere) per cell of
 tied / untied embeddings x vocabulary size x hidden size (``intermediate_size = 3 x
 hidden``, SFT learning rate x ``128 / hidden``; every cell has its own SFT base, trained
 and cached on first use). Per cell
@@ -87,8 +87,8 @@ def cell_sft_lr(base_lr: float, hidden: int) -> float:
 
 
 def _cell_args(a: dict, tied: bool, V: int, H: int) -> dict:
-    """The keyword arguments of :func:`pdmask.audit.command.run_cli` for one cell."""
-    from ..train.config import load_config
+    """The keyword arguments of :func:`pdmask.lab.audit.command.run_cli` for one cell."""
+    from ...train.config import load_config
 
     base = load_config(a["config"], list(a["set_"])).sft_lr
     over = list(a["set_"]) + [f"tie_embeddings={'true' if tied else 'false'}", f"vocab_size={V}",

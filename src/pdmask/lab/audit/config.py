@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .._validate import ESTIMATORS, LOSS_AGGS
-from ..masks import MODES, MaskMode
+from ..._validate import ESTIMATORS, LOSS_AGGS
+from ...masks import MODES, MaskMode
 from ..significance import DEFAULT_N_BOOT
 
 #: Divergences the audit can judge. The binary ones are excluded on purpose: their

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import TrainConfig, config_diff, stored_config
+from ..train.config import TrainConfig, config_diff, stored_config
 
 #: the key of a prefix cell's summary.json naming its source run
 PREFIX_KEY = "prefix_of"
@@ -37,7 +37,7 @@ PREFIX_KEY = "prefix_of"
 
 def _finished_records(src: Path) -> tuple[dict, list[dict], dict] | str:
     """(stored config, metrics records, summary) of a finished run in ``src``, or why not."""
-    from .logging import read_jsonl
+    from ..train.logging import read_jsonl
 
     try:  # a damaged file of the source is a reason not to take it (named), not an error of this ladder
         stored = stored_config(src)
@@ -111,9 +111,9 @@ def take_prefix(src: str | Path, cfg: TrainConfig) -> dict:
     run, ValueError when ``cfg.run_dir`` already holds records."""
     import shutil
 
-    from .grpo import _yaml, summarize
-    from .logging import read_jsonl, truncate_jsonl
-    from .rundir import writing
+    from ..train.grpo import _yaml, summarize
+    from ..train.logging import read_jsonl, truncate_jsonl
+    from ..train.rundir import writing
 
     src = Path(src)
     got = _source(src, cfg)
