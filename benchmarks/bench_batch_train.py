@@ -204,7 +204,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     from pdmask import Corrections, Sampling
     from pdmask.loss import policy_loss
     from pdmask.train.config import replace
-    from pdmask.train.update import batch_masker
+    from pdmask.lab.batchmask.trainer import batch_masker
     b = ro.batch
     idx = list(range(mb))
     from pdmask.train.update import select

@@ -106,7 +106,9 @@ def mask_args(*args, **kw):
 
 def batch_mask(model, *args, **kw):
     pos, rest = mask_args(*args, **kw)
-    return pdmask.batch_mask(model, *pos, **rest)
+    from pdmask.lab.batchmask import batch_mask as lab_batch_mask
+
+    return lab_batch_mask(model, *pos, **rest)
 
 
 def call_mask(bm, *args, **kw):

@@ -19,14 +19,11 @@ Public API (pure tensor functions taking a few typed objects):
   direction tests :func:`predictive`, :func:`ratio_sign` (was ``ratio_direction``).
 - :func:`aggregate` — verl's loss aggregation modes.
 - :func:`ddot_autograd` — Ddot of any divergence through autograd (oracle).
-- :func:`batch_mask`, :class:`BatchMask` — the batch-aware mask (needs the model;
-  :mod:`pdmask.lab.batchmask`), fed to :func:`policy_loss` through ``batch_ddot=``.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
   ``corrections=`` :class:`Corrections`).
 """
 
-from .lab.batchmask import BatchMask, batch_mask
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
 from .directions import ddot_autograd
@@ -46,9 +43,9 @@ from .stats import token_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "BatchMask", "Compute", "Corrections", "ESTIMATORS", "MODES", "MaskMode", "PolicyLoss",
+    "Aggregation", "Compute", "Corrections", "ESTIMATORS", "MODES", "MaskMode", "PolicyLoss",
     "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "Thresholds",
-    "aggregate", "batch_mask", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
+    "aggregate", "ddot_autograd", "ddot_key", "divergence_region", "get_mode", "importance_weights",
     "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign",
     "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
 ]

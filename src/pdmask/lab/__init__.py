@@ -15,3 +15,7 @@
   :mod:`pdmask.lab.seed_summary` (``pdmask report``), :mod:`pdmask.lab.task_stats`
   (``pdmask task-stats``).
 """
+
+# the pdm-batch-* modes' trainer forward is registered when the batch mask is imported: every
+# use of the lab (the command line, compare, the ladder, the audit) can then train them
+from . import batchmask  # noqa: E402,F401

@@ -153,7 +153,6 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
         from .. import MODES
-        from ..lab.batchmask import METHODS
         from ..directions import ESTIMATORS
         from ..keys import SUPPORTS
         from .._validate import LOSS_AGGS
@@ -164,10 +163,16 @@ class TrainConfig:
 
         choices = {"arch": ("llama", "qwen3"), "task": TASKS, "mode": tuple(MODES),
                    "estimator": tuple(ESTIMATORS), "support": SUPPORTS, "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
-                   "engine": tuple(engine_names()), "batch_method": METHODS}
+                   "engine": tuple(engine_names())}
         for k, valid in choices.items():
             if getattr(self, k) not in valid:
                 raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
+        from .forwards import FORWARDS, forward_for
+
+        forward_for(self.mode)  # a mode needing an input that no registered trainer forward computes
+        for fwd in FORWARDS.values():  # the settings each registered forward reads (batch_method)
+            if fwd.check is not None:
+                fwd.check(self)
         positive = ["threads", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                     "max_positions", "train_size", "eval_size", "max_number", "min_steps", "max_steps",
                     "sft_batch_size", "steps", "prompts_per_step", "group_size", "minibatches", "epochs",

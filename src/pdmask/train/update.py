@@ -5,8 +5,9 @@
 - :func:`compute_loss` — one trainer forward (:func:`trainer_forward`), then the loss
   (:func:`forward_loss`: :func:`pdmask.policy_loss` on the logits, or
   :func:`pdmask.policy_loss_from_hidden` on the final hidden states with
-  ``loss_from=hidden``); for the ``pdm-batch-*`` modes the batch direction is computed on
-  that same forward first (:func:`batch_forward`).
+  ``loss_from=hidden``); a mode that needs more than the logits (the ``pdm-batch-*``
+  modes' batch direction) gets it from its registered :class:`TrainerForward`
+  (:func:`pdmask.train.forwards.register_forward`), on that same forward.
 - :func:`update_step` — loss -> backward -> clip -> optimizer step (one mini-batch).
 
 The training loop (:mod:`.grpo`) and the direction audit's lag steps both update the
@@ -16,16 +17,14 @@ policy with these, so the two cannot drift apart.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
-from ..lab.batchmask import BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
 from ..loss import PolicyLossOutput
-from ..masks import get_mode
-from .config import TrainConfig, effective_is_cap, loss_spec
+from .config import TrainConfig, loss_spec
+from .forwards import forward_for
 from .trainable import trainable_parameters
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
@@ -74,14 +73,15 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
             the engine's outputs are known good).
         optimizer: the optimizer that will take the step this loss is for. Required by
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
-            batch direction, :func:`batch_forward`); ignored by the others.
+            batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
 
     Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached;
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
     """
     adv = advantages.to(batch.sequences.device)
-    if is_batch_mode(cfg.mode):  # loss_from=logits (the config refuses hidden here)
-        logits, extra, more = batch_forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
+    fwd = forward_for(cfg.mode)
+    if fwd is not None:  # loss_from=logits (the config refuses hidden here)
+        logits, extra, more = fwd.forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
         out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
         out.metrics.update(more)
         return out
@@ -128,61 +128,6 @@ def lm_head_weight(model) -> torch.Tensor:
         raise ValueError(f"loss_from: hidden needs an LM head that is a plain h @ W.T; {type(model).__name__}'s "
                          f"has {why}; use loss_from=logits")
     return head.weight
-
-
-# ------------------------------------------------------------------ pdm-batch-* modes
-#: BatchMask diagnostics logged by the batch modes (as ``batch_<name>``)
-BATCH_METRICS = ("phi", "direction_norm", "outward_frac_out_of_region", "agree_ratio_frac", "agree_pdm_frac")
-
-# one BatchMask per (model, optimizer, settings): it resolves the parameter subset once and
-# remembers method="auto"'s fallback decision
-_MASKERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def is_batch_mode(mode: str) -> bool:
-    """Whether ``mode`` needs the batch direction (``pdm-batch-*``)."""
-    return "batch" in get_mode(mode).needs
-
-
-def batch_params(cfg: TrainConfig):
-    """``cfg.batch_params`` as :class:`pdmask.lab.batchmask.BatchMask` takes it: ``"all"`` or an int N."""
-    return "all" if cfg.batch_params == "all" else int(cfg.batch_params)
-
-
-def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
-    """The (cached) :class:`pdmask.lab.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
-    if optimizer is None:
-        raise ValueError(f"optimizer: mode {cfg.mode!r} needs the optimizer that takes the step (its state is "
-                         "the preconditioner of the batch direction); pass optimizer= to compute_loss")
-    mode = get_mode(cfg.mode)
-    key = (id(optimizer), cfg.mode, cfg.batch_params, cfg.batch_method, cfg.estimator, cfg.delta_low,
-           cfg.delta_high, cfg.temperature, effective_is_cap(cfg))
-    hit = _MASKERS.get(model)
-    if hit is not None and hit[0] == key and hit[1]() is optimizer:
-        return hit[2]
-    bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=mode.divergence,
-                   estimator=cfg.estimator, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                   scope="all" if cfg.mode.startswith("pdm-batch-all-") else "region", method=cfg.batch_method,
-                   temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
-    _MASKERS[model] = (key, weakref.ref(optimizer), bm)
-    return bm
-
-
-def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                  validate: bool = False) -> tuple[torch.Tensor, dict, dict]:
-    """The trainer forward of a ``pdm-batch-*`` mode, with the batch direction computed on it.
-
-    At the current parameters and with ``optimizer``'s current state (the preconditioner
-    of the very step the loss is for): one forward (shared with the loss), the backward of
-    Phi, ``P``, one forward-mode pass (:class:`pdmask.lab.batchmask.BatchMask`,
-    ``share_forward=True``). Returns the (B, T, V) logits with their graph, the
-    ``policy_loss`` keywords that apply the mask (``batch_ddot``) and the ``batch_*``
-    diagnostics (detached).
-    """
-    bm = batch_masker(model, optimizer, cfg)
-    out = bm(batch.sequences, batch.attention_mask, batch.rollout, advantages, validate=validate, share_forward=True)
-    more = {f"batch_{k}": out.metrics[k] for k in BATCH_METRICS}
-    return out.logits, {"batch_ddot": out.ddot}, more
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,

@@ -11,12 +11,15 @@ through ``batch_ddot=`` and the ``pdm-batch-*`` modes.
 - :func:`select_params`, :class:`ParamSubset` (:mod:`.params`): ``params=``
 - :func:`preconditioner` (:mod:`.precondition`): the optimizer's P
 - :func:`out_of_region_divergence` (:mod:`.phi`): Phi with its chunked closed-form gradient
+- :mod:`.trainer`: the ``pdm-batch-*`` modes' forward in the built-in trainer, registered
+  with :func:`pdmask.train.forwards.register_forward` when this package is imported
 """
 
 from .mask import METHODS, SCOPES, BatchMask, BatchMaskOutput, batch_mask
-from .params import ParamSubset, decoder_parts, select_params
+from .params import ParamSubset, select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
 from .precondition import preconditioner
+from . import trainer  # noqa: F401,E402  (registers the trainer forward of the pdm-batch-* modes)
 
 __all__ = ["METHODS", "PHI_DIVERGENCES", "SCOPES", "BatchMask", "BatchMaskOutput", "ParamSubset", "batch_mask",
-           "decoder_parts", "out_of_region_divergence", "preconditioner", "select_params"]
+           "out_of_region_divergence", "preconditioner", "select_params"]

@@ -35,9 +35,10 @@ from ...masks import Thresholds, divergence_region, get_mode
 from ...ops import Compute, Sampling, chunk_rows_for
 from ...rollout import Rollout
 from ...stats import MAX_LOG_RATIO, token_stats
+from ...train.trainable import decoder_parts
 from . import directional as dirl
 from . import precondition as pre
-from .params import decoder_parts, select_params
+from .params import select_params
 from .phi import PHI_DIVERGENCES, out_of_region_divergence
 from .top import TopCapture, jvp_top_logprob
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...train.trainable import decoder_parts
+
 
 @dataclass
 class TopBlocks:
@@ -73,25 +75,6 @@ class ParamSubset:
             for n in names:
                 out[n] = x
         return out
-
-
-def decoder_parts(model: torch.nn.Module):
-    """``(blocks, head, norm)`` of a decoder-only LM (see the module doc for the lookup)."""
-    dec = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    blocks = getattr(dec, "layers", None) if dec is not None else None
-    if blocks is None:
-        blocks = getattr(model, "layers", None)
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
-        raise ValueError(f"params: cannot find the decoder blocks of {type(model).__name__} (looked for "
-                         "get_decoder().layers and .layers); pass params='all' or a list of parameter names")
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    if head is None:
-        head = getattr(model, "lm_head", None)
-    if not isinstance(head, torch.nn.Module):
-        raise ValueError(f"params: cannot find the LM head of {type(model).__name__} (looked for "
-                         "get_output_embeddings() and .lm_head); pass params='all' or a list of parameter names")
-    norm = getattr(dec if dec is not None else model, "norm", None)
-    return blocks, head, norm if isinstance(norm, torch.nn.Module) else None
 
 
 def _module_name(model, module) -> str:
