@@ -212,7 +212,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     adv = ro.advantages[idx]
     if bool((adv == 0).all()):
         adv = torch.linspace(-1, 1, len(idx))
-    kw = dict(corrections=Corrections(is_cap=cfg.is_cap), sampling=Sampling(cfg.temperature), validate=False)
+    kw = dict(corrections=cfg.loss.corrections, sampling=cfg.loss.sampling, validate=False)
 
     def loss_of(logits, mode, extra):
         return policy_loss(logits, sub.rollout, adv, mode=mode, **extra, **kw)

@@ -47,14 +47,13 @@ def _explicit_phi(model, rb, adv_bt, cfg, state, O, divergence="topk_kl"):
     logits = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
     r = rb.rollout.replace(sampled_logprob=rb.rollout.sampled_logprob.double(),
                            topk_logprobs=rb.rollout.topk_logprobs.double(), logits=None)
-    pdmask.policy_loss(logits, r, adv_bt, mode="none", corrections=pdmask.Corrections(is_cap=cfg.is_cap),
-                       aggregation=pdmask.Aggregation(cfg.loss_agg),
-                       sampling=pdmask.Sampling(cfg.temperature)).loss.backward()
+    pdmask.policy_loss(logits, r, adv_bt, mode="none", corrections=cfg.loss.corrections,
+                       aggregation=cfg.loss.aggregation, sampling=cfg.loss.sampling).loss.backward()
     torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
     opt.step()
     with torch.no_grad():
         z = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
-    D = pdmask.token_stats(z, r, sampling=pdmask.Sampling(cfg.temperature))[divergence]
+    D = pdmask.token_stats(z, r, sampling=cfg.loss.sampling)[divergence]
     return float((D * O).sum())
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from audit_toy import BigramLM, bigram_forward, perturbed, sample_batch
+from audit_toy import BigramLM, audit_config, bigram_forward, perturbed, sample_batch
 from pdmask.lab.audit import AuditConfig, audit_batch, run_audit, summarize_all
 from pdmask.lab.audit.fidelity import effective_ks
 from pdmask.lab.audit.report import write_report
@@ -23,7 +23,7 @@ def setup():
 def _cfg(**kw):
     base = dict(lr=1e-2, sample_tokens=6, disagreement_tokens=4, bootstrap=200, fidelity_ks=(1, 2, 5, 20))
     base.update(kw)
-    return AuditConfig(**base)
+    return audit_config(**base)
 
 
 def test_audit_batch_invariants(setup):
@@ -87,7 +87,7 @@ def test_bad_inputs_are_value_errors(setup):
                      ({"step_mode": "pdm-batch-topk-kl"}, "step_mode"),
                      ({"bootstrap": 0}, "bootstrap"), ({"tie_tol": float("nan")}, "tie_tol")]:
         with pytest.raises(ValueError, match=name):
-            AuditConfig(**kw)
+            audit_config(**kw)
     rb, adv = sample_batch(eng, seed=0)
     with pytest.raises(ValueError, match="advantages"):
         audit_batch(pol, bigram_forward, rb, adv[:3], _cfg())

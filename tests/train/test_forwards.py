@@ -32,7 +32,7 @@ def test_importing_the_lab_registers_the_batch_forward():
              "from pdmask.train.config import load_config\n"
              "from pdmask.train.forwards import FORWARDS, forward_for\n"
              "cfg = load_config(None, ['mode=pdm-batch-topk-kl'])\n"
-             "print(sorted(FORWARDS), forward_for(cfg.mode).forward.__module__, forward_for('pdm-topk-kl'))\n")
+             "print(sorted(FORWARDS), forward_for(cfg.loss.mode).forward.__module__, forward_for('pdm-topk-kl'))\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["['batch']", "pdmask.lab.batchmask.trainer", "None"]
 

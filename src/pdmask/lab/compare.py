@@ -53,14 +53,14 @@ def plan_runs(cfg: TrainConfig, modes: list[str], seeds: int, deltas: list[float
     runs = []
     for d in (deltas or [None]):
         for mode in modes:
-            if d is not None and mode == "grpo" and any(r.mode == "grpo" for r in runs):
+            if d is not None and mode == "grpo" and any(r.loss.mode == "grpo" for r in runs):
                 continue
             for s in range(cfg.seed, cfg.seed + seeds):
                 name = f"{mode}-s{s}" + (f"-d{d:g}" if d is not None and mode != "grpo" else "")
-                ch = dict(mode=mode, seed=s, name=name, out_dir=out_dir)
+                ch = {"loss.mode": mode, "seed": s, "name": name, "out_dir": out_dir}
                 if d is not None and mode != "grpo":
-                    ch.update(delta_low=d, delta_high=d)
-                runs.append(replace(cfg, **ch))
+                    ch.update({"loss.thresholds.delta_low": d, "loss.thresholds.delta_high": d})
+                runs.append(replace(cfg, ch))
     return runs
 
 
@@ -97,7 +97,7 @@ def loss_time_ratio(cfg: TrainConfig, mode_a: str, mode_b: str, *, reps: int = 1
     """Interleaved timing of ``compute_loss`` + backward for two modes on one fixed batch.
 
     Returns medians (seconds) and ``ratio = median_b / median_a``."""
-    S = setup(replace(cfg, mode=mode_a, progress=False))
+    S = setup(replace(cfg, {"loss.mode": mode_a}, progress=False))
     pidx = step_prompts(0, cfg, len(S.train_ids))
     prompts = [S.train_ids[i] for i in pidx for _ in range(cfg.group_size)]
     batch = S.engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, seed=rollout_seed(cfg, 0),
@@ -111,7 +111,7 @@ def loss_time_ratio(cfg: TrainConfig, mode_a: str, mode_b: str, *, reps: int = 1
     idx = list(range(mb))
     sub = select(batch, idx, batch.attention_mask[:, :batch.prompt_len].sum(1).tolist(),
                  batch.response_mask.sum(1).tolist())
-    cfgs = {m: replace(cfg, mode=m) for m in (mode_a, mode_b)}
+    cfgs = {m: replace(cfg, {"loss.mode": m}) for m in (mode_a, mode_b)}
     times = {mode_a: [], mode_b: []}
     for r in range(reps + 2):
         order = (mode_a, mode_b) if r % 2 == 0 else (mode_b, mode_a)
@@ -160,7 +160,8 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
         # Paired modes (dppo-*/pdm-*) first, in plan order: with --jobs 2 each pair then runs
         # side by side under the same machine load, which keeps their run-median ratio fair.
         paired = {m for pair in PAIRS for m in pair}
-        cfgs = sorted(cfgs, key=lambda c: (c.mode not in paired, c.delta_high or 0.0, c.seed))
+        cfgs = sorted(cfgs, key=lambda c: (c.loss.mode not in paired, c.loss_fields["thresholds"]["delta_high"] or 0.0,
+                                           c.seed))
         _run_subprocesses(cfgs, jobs, resume, out, console)
     else:
         for c in cfgs:

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..train.config import FIELDS, TrainConfig, config_diff, load_config, replace, stored_config
+from ..train.config import TrainConfig, config_diff, is_config_key, load_config, loss_path, replace, stored_config
 
 #: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
 LADDER_LOG = "ladder_log.jsonl"
@@ -135,11 +135,18 @@ def _overrides(v, where: str) -> dict:
     if not isinstance(v, dict):
         raise ValueError(f"{where}: expected a mapping of config key: value, got {v!r}")
     for k in v:
-        if k not in FIELDS:
+        if not is_config_key(k):
             raise ValueError(f"{where}: unknown config key {k!r}")
-        if k in ("mode", "seed", "name", "out_dir"):
+        if canonical_key(k) in ("loss.mode", "seed", "name", "out_dir"):
             raise ValueError(f"{where}: {k!r} is set by the ladder for each cell; remove it")
     return dict(v)
+
+
+def canonical_key(key: str) -> str:
+    """A config key in one spelling: a loss field as ``loss.<path>`` (``delta_low`` ->
+    ``loss.thresholds.delta_low``), any other key as it is."""
+    path = loss_path(key)
+    return key if path is None else f"loss.{path}"
 
 
 def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: int | None = None,
@@ -187,7 +194,7 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
     cli = dict(parse_override(o) for o in (overrides or []))
     _overrides(cli, "overrides")
     for k in cli:
-        setters = [r.name for r in rungs if k in r.set]
+        setters = [r.name for r in rungs if canonical_key(k) in {canonical_key(x) for x in r.set}]
         if setters:
             raise ValueError(f"{k}: set by the ladder's rungs ({', '.join(setters)}); change it in the spec, "
                              f"not on the command line")
@@ -206,10 +213,10 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
 # ------------------------------------------------------------------ cells
 def cell_config(spec: LadderSpec, rung: Rung, mode: str, seed: int, out: Path) -> TrainConfig:
     """The run config of one cell: rung preset < spec ``set`` < command line < rung ``set``."""
-    values = {**spec.set, **spec.cli_set, **rung.set}
+    values = [*spec.set.items(), *spec.cli_set.items(), *rung.set.items()]  # later wins, whatever the spelling
     try:
         cfg = load_config(rung.config, values)
-        return replace(cfg, mode=mode, seed=seed, name=f"{mode}-s{seed}", out_dir=str(out / rung.name),
+        return replace(cfg, {"loss.mode": mode}, seed=seed, name=f"{mode}-s{seed}", out_dir=str(out / rung.name),
                        progress=False)
     except ValueError as e:
         raise ValueError(f"rung {rung.name}: {e}") from None

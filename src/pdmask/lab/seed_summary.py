@@ -19,13 +19,22 @@ from .significance import DEFAULT_N_BOOT
 from ..train.logging import read_jsonl
 
 
-def run_label(run: Path) -> tuple[str, str]:
-    """(group label, run name): runs of the same mode and thresholds share a group."""
+def _stored_loss(run: Path) -> dict:
+    """The loss fields a run's ``config.yaml`` holds, as given (nested; either version of
+    the file: :func:`pdmask.train.config.stored_loss`); empty when it has none."""
     import yaml
 
+    from ..train.config import stored_loss
+
     cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
-    mode = cfg.get("mode", run.name)
-    d = cfg.get("delta_high")
+    return stored_loss(cfg or {})
+
+
+def run_label(run: Path) -> tuple[str, str]:
+    """(group label, run name): runs of the same mode and thresholds share a group."""
+    loss = _stored_loss(run)
+    mode = loss.get("mode", run.name)
+    d = loss.get("thresholds", {}).get("delta_high")
     group = mode if d is None else f"{mode} δ={d:g}"
     return group, run.name
 
@@ -119,8 +128,9 @@ def _run_info(run: Path) -> dict:
         raise ValueError(f"config.yaml: missing in run directory {str(run)!r} (needed for its mode and seed)")
     cfg = yaml.safe_load(p.read_text()) or {}
     group, _ = run_label(run)
-    return {"run": run.name, "group": group, "mode": cfg.get("mode", run.name), "seed": cfg.get("seed"),
-            "delta_high": cfg.get("delta_high"), "sync_every": int(cfg.get("sync_every") or 1)}
+    loss = _stored_loss(run)
+    return {"run": run.name, "group": group, "mode": loss.get("mode", run.name), "seed": cfg.get("seed"),
+            "delta_high": loss.get("thresholds", {}).get("delta_high"), "sync_every": int(cfg.get("sync_every") or 1)}
 
 
 def _reference_group(groups: dict, reference: str, delta) -> str | None:

@@ -39,7 +39,6 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
     """The measurements above for the trainer config ``cfg`` (validated), one entry per precision."""
     from ..engine.hf import response_logits
     from ..engine.registry import build_engine
-    from ..ops import Sampling
     from ..stats import token_stats
     from ..train.config import replace
     from ..train.grpo import setup
@@ -47,6 +46,9 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
 
     if batches < 1:
         raise ValueError(f"batches: must be >= 1, got {batches}")
+    if cfg.loss.sampling.truncated:
+        raise ValueError("loss.sampling: task-stats measures the full-vocabulary KL against the engine's full logits, "
+                         "which belong to the untruncated mu; run it without top_k / top_p / min_p")
     t0 = time.time()
     S = setup(cfg, console)
     policy = S.model.eval()
@@ -68,7 +70,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             m = b.response_mask.bool()
             with torch.no_grad():
                 z = response_logits(policy, b.sequences, b.attention_mask, b.prompt_len).float()  # (B, T, V)
-                st = token_stats(z, b.rollout, sampling=Sampling(temperature=cfg.temperature))
+                st = token_stats(z, b.rollout, sampling=cfg.loss.sampling)
             rows["reward"].append(ro.rewards.numpy())
             rows["flat"].append(np.array([float(ro.flat_group_frac)]))
             ended, tail = response_shape(b, eos)  # (B,), (B, T)
@@ -88,7 +90,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             "binary_kl": _dist(r["binary_kl"]), "wall_s": round(time.time() - t1, 1)}
     from ..train.environment import environment
 
-    out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.temperature,
+    out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.loss.sampling.temperature,
                 "top_k": cfg.top_k, "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
                 "max_new_tokens": cfg.max_new_tokens, "threads": cfg.threads, "wall_s": round(time.time() - t0, 1)})
     return out

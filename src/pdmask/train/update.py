@@ -1,6 +1,9 @@
 """One policy update on a rollout batch: the trainer's optimizer, the loss, the step.
 
-- :func:`make_optimizer` — the trainer's AdamW (betas :data:`ADAMW_BETAS`).
+- :func:`build_optimizer` — the one optimizer factory (the trainer's AdamW, betas
+  :data:`ADAMW_BETAS`; the SFT warm start's; the audit's batch steps), with the
+  hyperparameters re-applied after a loaded state; :func:`make_optimizer` — the
+  trainer's, over its trainable parameters.
 - :func:`select` — rows of a rollout batch (a mini-batch) with padding columns trimmed.
 - :func:`compute_loss` — one trainer forward (:func:`trainer_forward`), then the loss
   (:func:`forward_loss`: :func:`pdmask.policy_loss` on the logits, or
@@ -16,27 +19,57 @@ policy with these, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
+from .._validate import check_choice
 from ..loss import PolicyLossOutput
-from .config import TrainConfig, loss_spec
+from .config import TrainConfig
 from .forwards import forward_for
 from .trainable import trainable_parameters
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
+#: Optimizers :func:`make_optimizer` makes (the audit's batch step may use any of them).
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def build_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=ADAMW_BETAS, kind: str = "adamw",
+                    state: dict | None = None) -> torch.optim.Optimizer:
+    """An optimizer over ``params``: ``torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+    betas=betas)`` (``kind="adam"``: ``Adam``; ``"sgd"``: ``SGD(params, lr=lr, weight_decay=weight_decay)``).
+
+    ``state``: an ``optimizer.state_dict()`` of the same kind over the same parameters
+    (a training checkpoint's, the audit's lag steps'), loaded from a copy (never changed);
+    its moments are kept and *these* hyperparameters re-applied to every group, since
+    ``load_state_dict`` restores the saved ones. An Adam(W) state given to ``sgd`` is
+    refused, naming ``optimizer_state``."""
+    import copy
+
+    check_choice("optimizer", kind, OPTIMIZERS)
+    params = list(params)
+    if kind == "sgd":
+        if state is not None:
+            raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if state is not None:
+        opt.load_state_dict(copy.deepcopy(state))  # the moments (cast to the parameters' dtype by torch)
+        for g in opt.param_groups:  # the state's moments, this call's hyperparameters
+            g.update(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    return opt
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The trainer's optimizer over the trainable parameters only (frozen ones carry no
-    AdamW state): ``AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-    weight_decay=cfg.weight_decay, betas=ADAMW_BETAS)``."""
-    return torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             betas=ADAMW_BETAS)
+    AdamW state): ``build_optimizer(trainable_parameters(model), lr=cfg.lr,
+    weight_decay=cfg.weight_decay)``."""
+    return build_optimizer(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response_lens: list[int]) -> RolloutBatch:
@@ -58,19 +91,20 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
 
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
+                 validate: bool | None = None, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
     """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
 
     Args:
         model: the trainer's causal LM.
         batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
         advantages: (B,) per-sequence advantages (broadcast over the response tokens).
-        cfg: its loss settings (:func:`pdmask.train.config.loss_spec`: mode, estimator,
+        cfg: its loss is ``cfg.loss``, the one :class:`pdmask.PolicyLoss` (mode, estimator,
             thresholds, corrections, the engine's sampling, aggregation; the rollout's
             ``logits`` feed the ``*-full-*`` modes when present); for the ``pdm-batch-*``
             modes also batch_params, batch_method.
-        validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
-            the engine's outputs are known good).
+        validate: replaces ``cfg.loss.validate`` for this call (None: the config's; the
+            trainer's default is off on its hot path, where the engine's outputs are known
+            good).
         optimizer: the optimizer that will take the step this loss is for. Required by
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
             batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
@@ -79,13 +113,21 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
     """
     adv = advantages.to(batch.sequences.device)
-    fwd = forward_for(cfg.mode)
+    spec = loss_of(cfg, validate)
+    fwd = forward_for(spec.mode)
     if fwd is not None:  # loss_from=logits (the config refuses hidden here)
-        logits, extra, more = fwd.forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
-        out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
+        logits, extra, more = fwd.forward(model, optimizer, batch, adv, cfg, validate=spec.validate)  # (B, T, V)
+        out = spec(logits, batch.rollout, adv, **extra)
         out.metrics.update(more)
         return out
-    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=validate)
+    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=spec.validate)
+
+
+def loss_of(cfg: TrainConfig, validate: bool | None = None):
+    """``cfg.loss``, with ``validate`` in place of its own when given."""
+    if validate is None or validate == cfg.loss.validate:
+        return cfg.loss
+    return dataclasses.replace(cfg.loss, validate=validate)
 
 
 def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tensor:
@@ -97,17 +139,17 @@ def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tenso
 
 
 def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False) -> PolicyLossOutput:
+                 validate: bool | None = None) -> PolicyLossOutput:
     """The loss of :func:`trainer_forward`'s output ``x``.
 
-    ``loss_from=logits``: ``loss_spec(cfg)(x, rollout, A)``. ``loss_from=hidden``:
-    ``loss_spec(cfg).from_hidden(x, W, rollout, A)`` with ``W`` the LM-head weight. That
-    is the same loss as ``loss_spec(cfg)(x @ W.T, rollout, A)`` up to rounding, but the
+    ``loss_from=logits``: ``cfg.loss(x, rollout, A)``. ``loss_from=hidden``:
+    ``cfg.loss.from_hidden(x, W, rollout, A)`` with ``W`` the LM-head weight. That
+    is the same loss as ``cfg.loss(x @ W.T, rollout, A)`` up to rounding, but the
     (B, T, V) logits are made and reduced in column chunks and never kept for the
     backward. The rollout's full logits, when present (the audit's oracle view), are
     left out there. They feed only the ``*-full-*`` terms, which the config refuses with
     ``loss_from=hidden``."""
-    spec = loss_spec(cfg, validate=validate)
+    spec = loss_of(cfg, validate)
     if cfg.loss_from == "hidden":
         r = batch.rollout if batch.rollout.logits is None else batch.rollout.replace(logits=None)
         return spec.from_hidden(x, lm_head_weight(model), r, advantages)
@@ -131,7 +173,7 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-                cfg: TrainConfig, *, validate: bool = False) -> tuple[PolicyLossOutput, torch.Tensor]:
+                cfg: TrainConfig, *, validate: bool | None = None) -> tuple[PolicyLossOutput, torch.Tensor]:
     """One optimizer step on ``batch``: :func:`compute_loss` -> backward -> clip -> step.
 
     Gradients are clipped to ``cfg.grad_clip`` (global norm; ``<= 0``: no clipping, the

@@ -9,8 +9,8 @@ figures in :mod:`.paper`), the grid over model shapes (:mod:`.grid`) and the
 ``pdmask audit`` / ``pdmask audit-grid`` commands (:mod:`.cli`).
 """
 
-from .config import DIVERGENCES, FIDELITY_KS, INSTRUMENTS, AuditConfig
-from .criteria import CRITERIA, PREDICTIVE, RATIO, criterion_values, entropy_ddot, out_of_region
+from .config import DIVERGENCES, FIDELITY_KS, INSTRUMENTS, AuditConfig, audit_loss
+from .criteria import CRITERIA, PREDICTIVE, RATIO, criterion_values, entropy_ddot
 from .fidelity import fidelity_counts, summarize_fidelity
 from .instruments import inner_products, optimizer_preconditioner
 from .loo import BatchStep
@@ -20,8 +20,8 @@ from .steps import batch_step, isolated_param_changes, logit_step_changes
 from .tables import tables
 
 __all__ = [
-    "AuditConfig", "BatchStep", "CRITERIA", "DIVERGENCES", "FIDELITY_KS", "INSTRUMENTS", "PREDICTIVE", "RATIO",
+    "AuditConfig", "BatchStep", "audit_loss", "CRITERIA", "DIVERGENCES", "FIDELITY_KS", "INSTRUMENTS", "PREDICTIVE", "RATIO",
     "SeedResult", "audit_batch", "batch_step", "classify", "classify_seed", "criterion_values", "entropy_ddot",
     "fidelity_counts", "inner_products", "isolated_param_changes", "logit_step_changes", "optimizer_preconditioner",
-    "out_of_region", "rate", "run_audit", "summarize_all", "summarize_fidelity", "tables",
+    "rate", "run_audit", "summarize_all", "summarize_fidelity", "tables",
 ]

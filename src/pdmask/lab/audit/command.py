@@ -19,11 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from .config import FIDELITY_KS_ARG, default_delta
+from .config import FIDELITY_KS_ARG
 
 #: trainer settings that do not change a seed's numbers (left out of the resume fingerprint)
 _NEUTRAL_TRAIN_KEYS = ("progress", "threads", "out_dir", "name", "tensorboard", "eval_every", "checkpoint_every",
-                       "keep_checkpoints", "steps")
+                       "keep_checkpoints", "steps", "loss.validate")
 #: audit settings that change only the summary, not a seed's records
 _NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
 
@@ -31,9 +31,8 @@ _NEUTRAL_AUDIT_KEYS = ("bootstrap", "bootstrap_seed", "delta_sweep")
 def _configs(a: dict):
     """(trainer config, audit config) from the command's arguments; every check made here."""
     from ...train.checkpoint import is_run_dir
-    from ...train.config import effective_is_cap, load_config
-    from ...train.update import ADAMW_BETAS
-    from .config import AuditConfig
+    from ...train.config import load_config
+    from .config import AuditConfig, audit_loss
 
     if a["seeds"] < 1:
         raise ValueError(f"seeds: must be >= 1, got {a['seeds']}")
@@ -52,14 +51,17 @@ def _configs(a: dict):
     if config is None and a["model"] and is_run_dir(a["model"]):
         config = Path(a["model"]) / "config.yaml"  # the run's own model/task/engine/loss settings
     tcfg = load_config(config, over)
-    fam_default = default_delta(a["divergence"])
-    base = fam_default if a["delta"] is None else a["delta"]
+    if tcfg.loss_from != "logits":
+        raise ValueError("loss_from: the audit's steps and oracle read the logits; loss_from=hidden is not available "
+                         "in the audit (the numbers are the same up to rounding); use loss_from=logits")
+    # the trainer's whole loss spec, with the audit's step mode, headline estimator and O's deltas
+    # (each side: --delta-low / --delta-high, else --delta, else the trainer's, else the divergence's)
+    deltas = tuple(a[k] if a[k] is not None else a["delta"] for k in ("delta_low", "delta_high"))
+    loss = audit_loss(tcfg.loss_fields, step_mode=a["step_mode"], estimator=a["estimator"], deltas=deltas,
+                      divergence=a["divergence"])
     cfg = AuditConfig(
-        divergence=a["divergence"], delta_low=base if a["delta_low"] is None else a["delta_low"],
-        delta_high=base if a["delta_high"] is None else a["delta_high"], estimator=a["estimator"],
-        step_mode=a["step_mode"], optimizer=a["optimizer"], lr=tcfg.lr if a["lr"] is None else a["lr"],
-        weight_decay=tcfg.weight_decay, betas=ADAMW_BETAS, grad_clip=tcfg.grad_clip, is_cap=effective_is_cap(tcfg),
-        loss_agg=tcfg.loss_agg, eps_low=tcfg.eps_low, eps_high=tcfg.eps_high, temperature=tcfg.temperature,
+        divergence=a["divergence"], estimator=a["estimator"], loss=loss, optimizer=a["optimizer"],
+        lr=tcfg.lr if a["lr"] is None else a["lr"], weight_decay=tcfg.weight_decay, grad_clip=tcfg.grad_clip,
         sample_tokens=a["sample_tokens"], disagreement_tokens=a["disagreement_tokens"],
         instruments=tuple(x.strip() for x in a["instruments"].split(",") if x.strip()),
         isolated_step=a["isolated_step"], logit_step=a["logit_step"], tie_tol=a["tie_tol"], bootstrap=a["bootstrap"],
@@ -84,9 +86,17 @@ def _ints(name: str, text: str) -> tuple:
 
 
 def _fingerprint(a: dict, tcfg, cfg) -> dict:
-    t = {k: v for k, v in tcfg.to_dict().items() if k not in _NEUTRAL_TRAIN_KEYS}
+    """What decides a seed's numbers: the audit's settings and the trainer's, the latter as
+    :func:`pdmask.train.config.comparable` puts them (the loss as the fields it resolves to)."""
+    from ...train.config import comparable
+
+    t = {k: v for k, v in comparable(tcfg.to_dict()).items() if k not in _NEUTRAL_TRAIN_KEYS}
     c = {k: v for k, v in cfg.to_dict().items() if k not in _NEUTRAL_AUDIT_KEYS}
-    return json.loads(json.dumps({"audit": c, "trainer": t, "model": str(a["model"]), "lag": a["lag"]}, default=str))
+    return _json({"audit": c, "trainer": t, "model": str(a["model"]), "lag": a["lag"]})
+
+
+def _json(x):
+    return json.loads(json.dumps(x, default=str))
 
 
 def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
@@ -110,21 +120,42 @@ def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
 
 
 def _with_new_defaults(old: dict, fp: dict) -> dict:
-    """``old`` with the trainer settings it does not know (fields added to the trainer
-    config since its seeds were written) filled in at their defaults: a seed written
-    before a new field existed was computed as with the field's default. A new field at a
-    non-default value stays a difference."""
-    from dataclasses import fields
+    """``old`` (a ``settings.json`` of any version) in the current fingerprint's terms.
 
-    from ...train.config import TrainConfig
+    The trainer section as :func:`pdmask.train.config.comparable` puts it (the short names
+    of the flat config in the loss, the loss as what it resolves to: a stored ``is_cap: 5``
+    and a null one are the same), with the settings it does not know (fields added to the
+    trainer config since its seeds were written) at their defaults: a seed written before a
+    new field existed was computed as with the field's default; a new field at a
+    non-default value stays a difference. An audit section of the flat version (its
+    ``step_mode``, ``delta_low``, ``is_cap``, ... beside the optimizer's) becomes the loss
+    spec those settings made: the batch step then built only ``Corrections(is_cap)`` and
+    ``Sampling(temperature)``, every other loss field at its default."""
+    from ...train.config import TrainConfig, comparable
 
-    defaults = json.loads(json.dumps({x.name: getattr(TrainConfig(), x.name) for x in fields(TrainConfig)},
-                                     default=str))
-    t = dict(old.get("trainer", {}))
+    defaults = _json(comparable(TrainConfig().to_dict()))
+    t = {k: v for k, v in _json(comparable(old.get("trainer", {}))).items() if k not in _NEUTRAL_TRAIN_KEYS}
     for k in fp.get("trainer", {}):
         if k not in t and k in defaults:
             t[k] = defaults[k]
-    return {**old, "trainer": t}
+    audit = old.get("audit", {})
+    if "loss" not in audit:
+        audit = _audit_of_flat(audit)
+    return {**old, "trainer": t, "audit": audit}
+
+
+def _audit_of_flat(old: dict) -> dict:
+    """An audit section written before ``AuditConfig.loss`` (see :func:`_with_new_defaults`)."""
+    from ...train.config import LOSS_ALIASES, build_loss, loss_fields, resolved_fields, stored_loss
+    from .config import _finite
+
+    given = {k: v for k, v in old.items() if k in LOSS_ALIASES}
+    given["mode"] = old.get("step_mode", "none")
+    fields = loss_fields(stored_loss(given))
+    fields["validate"] = True
+    rest = {k: v for k, v in old.items() if k not in LOSS_ALIASES and k != "step_mode"}
+    return _json({**rest, "estimator": old.get("estimator", "exact"),
+                  "loss": _finite(resolved_fields(build_loss(fields)[0]))})
 
 
 def check_not_empty(results) -> None:

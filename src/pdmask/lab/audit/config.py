@@ -1,19 +1,29 @@
-"""Settings of one direction audit, validated once, written verbatim into ``audit.json``."""
+"""Settings of one direction audit, validated once, written verbatim into ``audit.json``.
+
+The batch step's loss is one :class:`pdmask.PolicyLoss`, ``AuditConfig.loss``: the
+trainer's whole loss spec (``pdmask audit --config``: corrections, sampling, aggregation,
+clip range), with the audit's step mode, headline estimator and the deltas of its region
+O (:func:`audit_loss`). What the audit cannot honour is refused in one line
+(:meth:`AuditConfig.check_loss`). The optimizer's defaults are the trainer's
+(:data:`pdmask.train.update.ADAMW_BETAS`).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from ..._validate import ESTIMATORS, LOSS_AGGS
-from ...masks import MODES, MaskMode
+from ..._validate import ESTIMATORS, check_choice
+from ...loss import PolicyLoss
+from ...masks import MODES, MaskMode, get_mode
+from ...train.config import build_loss, loss_fields, resolved_fields
+from ...train.update import ADAMW_BETAS, OPTIMIZERS
 from ..significance import DEFAULT_N_BOOT
 
 #: Divergences the audit can judge. The binary ones are excluded on purpose: their
 #: predictive direction equals the ratio direction exactly (METHOD.md section 4), so
 #: there is nothing to compare.
 DIVERGENCES = ("topk_kl", "topk_tv", "full_kl", "full_tv")
-OPTIMIZERS = ("adamw", "adam", "sgd")
 #: per-token instruments, measured on a uniform sample of O plus the headline
 #: disagreement set: ``param`` (step-free <grad D, grad A log pi> with its group split),
 #: ``precond`` (the same through AdamW's preconditioner; needs an optimizer state),
@@ -27,11 +37,30 @@ FIDELITY_KS_ARG = ",".join(map(str, FIDELITY_KS))
 
 
 def default_delta(divergence: str) -> float:
-    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): its
-    ``pdm-*`` mode's. An unknown name gets :class:`pdmask.MaskMode`'s default; the config's
-    own check of ``divergence`` then refuses it with the list of valid names."""
-    mode = MODES.get("pdm-" + str(divergence).replace("_", "-"))
+    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): that of
+    the registered masks whose region is that divergence (registry lookup). An unknown name
+    gets :class:`pdmask.MaskMode`'s default; the config's own check of ``divergence`` then
+    refuses it with the list of valid names."""
+    mode = next((m for m in MODES.values() if getattr(m.region, "divergence", None) == divergence
+                 and m.surrogate == "dppo"), None)
     return MaskMode.default_delta if mode is None else mode.default_delta
+
+
+def audit_loss(trainer_loss: dict | None = None, *, step_mode: str = "none", estimator: str = "exact",
+               deltas: tuple = (None, None), divergence: str = "topk_kl", validate: bool = True) -> PolicyLoss:
+    """The batch step's :class:`pdmask.PolicyLoss`: the trainer's loss fields
+    (``TrainConfig.loss_fields``; None: the trainer's defaults) with the audit's step mode,
+    headline estimator and region deltas ``(low, high)`` (a None side: the trainer's when
+    it sets one, else the audited divergence's default), input checks on (``validate``).
+    An error names the setting."""
+    fields = loss_fields(trainer_loss)
+    th = fields["thresholds"]
+    keys = ("delta_low", "delta_high")
+    for k, d in zip(keys, deltas):
+        th[k] = d if d is not None else th[k] if th[k] is not None else default_delta(divergence)
+    fields.update(mode=step_mode, estimator=estimator, validate=validate)
+    names = {"mode": "step_mode", "estimator": "estimator"}
+    return build_loss(fields, names)[0]
 
 
 def _fail(name: str, msg: str) -> None:
@@ -44,16 +73,17 @@ class AuditConfig:
 
     Attributes:
         divergence: the proximity divergence; the realized change is recomputed with it.
-        delta_low, delta_high: thresholds for A < 0 / A > 0 (``D > delta`` is out of region).
         estimator: the top-K estimator of the *headline* predictive criterion (every
             estimator is measured; this one is compared with the ratio in the summary).
-        step_mode: mask mode of the batch step itself (``none``: every token updates, so
-            every criterion is judged on the same update).
+        loss: the batch step's :class:`pdmask.PolicyLoss` (:func:`audit_loss`; None: the
+            trainer's default loss with mode ``none``): its mode is the step mode (``none``:
+            every token updates, so every criterion is judged on the same update), its
+            thresholds' deltas define O (``D > delta_high`` for A > 0, ``D > delta_low`` for
+            A < 0), its sampling temperature is ``pi = softmax(logits / T)``; corrections
+            and aggregation are the step's.
         optimizer, lr, weight_decay, betas: the batch step's optimizer (fresh per seed,
-            or loaded from a given optimizer state).
+            or loaded from a given optimizer state); ``betas`` default to the trainer's.
         grad_clip: global gradient-norm clip of the batch step (0: off), as the trainer.
-        is_cap, loss_agg, eps_low, eps_high: loss settings of the batch step.
-        temperature: sampling temperature; ``pi = softmax(logits / T)``.
         sample_tokens: size of the seeded uniform sample of O per seed on which the
             per-token instruments are measured (0: none).
         disagreement_tokens: the headline criterion's disagreement tokens per seed that
@@ -74,20 +104,13 @@ class AuditConfig:
     """
 
     divergence: str = "topk_kl"
-    delta_low: float = 0.05
-    delta_high: float = 0.05
     estimator: str = "exact"
-    step_mode: str = "none"
+    loss: PolicyLoss | None = None
     optimizer: str = "adamw"
     lr: float = 1e-4
     weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
+    betas: tuple = ADAMW_BETAS
     grad_clip: float = 1.0
-    is_cap: float = 5.0
-    loss_agg: str = "token-mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    temperature: float = 1.0
     sample_tokens: int = 32
     disagreement_tokens: int = -1
     instruments: tuple = ("param", "precond", "own", "isolated")
@@ -101,34 +124,27 @@ class AuditConfig:
     bootstrap_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.divergence not in DIVERGENCES:
-            _fail("divergence", f"unknown value {self.divergence!r}; valid values are: {', '.join(DIVERGENCES)}"
-                  " (binary divergences are not audited: their predictive direction equals the ratio's)")
-        if self.estimator not in ESTIMATORS:
-            _fail("estimator", f"unknown value {self.estimator!r}; valid values are: {', '.join(ESTIMATORS)}")
-        if self.step_mode not in MODES:
-            _fail("step_mode", f"unknown mode {self.step_mode!r}; valid modes are: {', '.join(MODES)}")
-        if self.optimizer not in OPTIMIZERS:
-            _fail("optimizer", f"unknown value {self.optimizer!r}; valid values are: {', '.join(OPTIMIZERS)}")
-        if self.loss_agg not in LOSS_AGGS:
-            _fail("loss_agg", f"unknown value {self.loss_agg!r}; valid values are: {', '.join(LOSS_AGGS)}")
-        if "batch" in MODES[self.step_mode].needs:
-            _fail("step_mode", f"{self.step_mode!r} needs an external batch direction (batch_ddot); the audit's "
-                  "batch step supports the per-token modes")
+        if str(self.divergence).startswith("binary"):
+            _fail("divergence", f"{self.divergence!r} is not audited: the predictive direction of a binary "
+                  "divergence equals the ratio's exactly (METHOD.md section 4)")
+        check_choice("divergence", self.divergence, DIVERGENCES)
+        check_choice("estimator", self.estimator, ESTIMATORS)
+        if self.loss is None:
+            self.loss = audit_loss(divergence=self.divergence, estimator=self.estimator)
+        if not isinstance(self.loss, PolicyLoss):
+            _fail("loss", f"must be a pdmask.PolicyLoss (audit_loss), got {type(self.loss).__name__}")
+        self.check_loss()
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         ins = (self.instruments,) if isinstance(self.instruments, str) else tuple(self.instruments)
         if any(x not in INSTRUMENTS for x in ins) or len(set(ins)) != len(ins):
             _fail("instruments", f"must be a list of distinct values from {', '.join(INSTRUMENTS)}, "
                   f"got {self.instruments!r}")
         self.instruments = ins
-        if self.isolated_dtype not in ("float32", "float64"):
-            _fail("isolated_dtype", f"must be 'float32' or 'float64', got {self.isolated_dtype!r}")
-        for name in ("delta_low", "delta_high", "lr", "isolated_step", "logit_step", "temperature",
-                     "eps_low", "eps_high"):
+        check_choice("isolated_dtype", self.isolated_dtype, ("float32", "float64"))
+        for name in ("lr", "isolated_step", "logit_step"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 _fail(name, f"must be a positive finite number, got {v!r}")
-        if not isinstance(self.is_cap, (int, float)) or math.isnan(self.is_cap) or self.is_cap <= 0:
-            _fail("is_cap", f"must be a positive number (inf disables the cap), got {self.is_cap!r}")
         for name in ("weight_decay", "tie_tol", "grad_clip"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -142,8 +158,28 @@ class AuditConfig:
             _fail("disagreement_tokens", f"must be an int >= 0, or -1 for all, got {v!r}")
         if not isinstance(self.bootstrap, int) or self.bootstrap < 1:
             _fail("bootstrap", f"must be a positive int, got {self.bootstrap!r}")
+        self._check_sweeps()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(float(b) for b in self.betas)
+
+    def check_loss(self) -> None:
+        """What the audit cannot honour of a loss spec, refused in one line naming it: a mode
+        that needs an external batch direction; truncated sampling (the audit's oracle and
+        fidelity sweep read the engine's full logits, whose terms are those of the
+        untruncated mu); a temperature that is not positive finite (checked by the spec)."""
+        mode = get_mode(self.loss.mode)
+        if "batch" in mode.needs:
+            _fail("step_mode", f"{mode.name!r} needs an external batch direction (the batch mask); the audit's "
+                  "batch step supports the per-token modes")
+        if self.loss.sampling.truncated:
+            _fail("loss.sampling", "truncated sampling cannot be audited: the audit's oracle and fidelity sweep read "
+                  "the engine's full logits, which belong to the untruncated mu; audit without top_k / top_p / min_p")
+
+    def _check_sweeps(self) -> None:
         sw = tuple(self.delta_sweep)
-        lo = min(self.delta_low, self.delta_high)
+        th = self.loss.thresholds
+        lo = min(th.delta_low, th.delta_high)
         if any(not isinstance(d, (int, float)) or not math.isfinite(d) or d < lo for d in sw):
             _fail("delta_sweep", f"must be numbers >= the audited delta ({lo}): an audit records only the tokens "
                   f"above its own delta; got {self.delta_sweep!r}")
@@ -152,9 +188,11 @@ class AuditConfig:
         if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
             _fail("fidelity_ks", f"must be a non-empty list of positive ints, got {self.fidelity_ks!r}")
         self.fidelity_ks = tuple(sorted(set(ks)))
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            _fail("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
-        self.betas = tuple(float(b) for b in self.betas)
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature: ``pi = softmax(logits / T)`` (the loss spec's)."""
+        return self.loss.sampling.temperature
 
     @property
     def family(self) -> str:
@@ -162,9 +200,22 @@ class AuditConfig:
         return self.divergence.rsplit("_", 1)[1]
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """JSON-ready: the loss as the fields it resolves to (the deltas of O, the IS cap in
+        force), an infinite number as ``"inf"``."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "loss"}
+        d["loss"] = _finite(resolved_fields(self.loss))
         d["betas"], d["fidelity_ks"] = list(self.betas), list(self.fidelity_ks)
         d["instruments"] = list(self.instruments)
         d["delta_sweep"] = list(self.delta_sweep)
-        d["is_cap"] = self.is_cap if math.isfinite(self.is_cap) else "inf"
-        return d
+        return {k: d[k] for k in self.__dataclass_fields__}
+
+
+def _finite(x):
+    """``x`` with infinite floats as ``"inf"`` / ``"-inf"`` (JSON has no infinity)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x

@@ -46,14 +46,10 @@ def criterion_values(stats: dict, family: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def out_of_region(divergence: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *,
-                  delta_low: float, delta_high: float) -> torch.Tensor:
-    """The set O: ``D > delta_high`` for ``A > 0``, ``D > delta_low`` for ``A < 0``; ``A = 0`` never."""
-    return valid & (((advantages > 0) & (divergence > delta_high)) | ((advantages < 0) & (divergence > delta_low)))
-
-
 def outward(values: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """The criterion's verdict: the token's update pushes D up iff ``A * c > 0``."""
+    """The criterion's verdict: the token's update pushes D up iff ``A * c > 0`` (the
+    masks' outward rule, :func:`pdmask.masks.mask_from_stats`, on each criterion's value;
+    the region O is :func:`pdmask.masks.divergence_region` of the loss's thresholds)."""
     return advantages * values > 0
 
 

@@ -35,21 +35,22 @@ def fidelity_counts(
     *,
     family: str,
     ks,
-    temperature: float = 1.0,
+    sampling: Sampling | None = None,
 ) -> dict:
     """Per-seed fidelity counts: ``{set: {"K": {k: {est: [agree, n]}}, "sums": {...},
-    "agg_vs_uniform": {k: [agree, n]}}}`` (Python numbers)."""
+    "agg_vs_uniform": {k: [agree, n]}}}`` (Python numbers). ``sampling``: the loss spec's
+    (its temperature; None: temperature 1)."""
     V = logits.shape[-1]
     ks = effective_ks(ks, V)
     # float64 throughout: away from O most tokens have pi ~ mu, where Ddot is ~1e-6 and
     # a float32 reduction would decide its sign by rounding (costs a float64 copy of
     # both (B, T, V) tensors; this is an analysis path)
     logits, rollout_logits = logits.detach().double(), rollout_logits.double()
-    logm = torch.log_softmax(rollout_logits / temperature, -1)  # (B, T, V)
+    T = 1.0 if sampling is None else sampling.temperature
+    logm = torch.log_softmax(rollout_logits / T, -1)  # (B, T, V)
     tk_lp, tk_ids = logm.topk(max(ks), dim=-1)  # (B, T, Kmax), descending
     rlp = logm.gather(-1, sampled_ids[..., None].long()).squeeze(-1)
     base = Rollout(sampled_ids, rlp, response_mask=response_mask)
-    sampling = Sampling(temperature)
     full = token_stats(logits.detach(), base.replace(logits=rollout_logits), sampling=sampling)
     full_dir = torch.sign(full[ddot_key(f"full_{family}")])
     out = {name: {"K": {}, "sums": {}, "agg_vs_uniform": {}} for name in token_sets}

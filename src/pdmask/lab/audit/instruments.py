@@ -134,16 +134,10 @@ def token_objectives(z: torch.Tensor, rb, b: int, t: int, divergence: str,
 def optimizer_preconditioner(params: list[torch.Tensor], cfg, optimizer_state: dict | None) -> list:
     """Diagonal P per parameter of ``params`` from an optimizer state (see the module doc),
     with the audit's lr / betas (``cfg``)."""
-    import copy
-
     from ..batchmask.precondition import preconditioner
-    from .steps import make_optimizer
+    from .steps import optimizer_for
 
-    opt = make_optimizer(params, cfg)
-    if optimizer_state is not None:
-        opt.load_state_dict(copy.deepcopy(optimizer_state))
-        for g in opt.param_groups:
-            g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = optimizer_for(params, cfg, optimizer_state)
     return [d.detach() if isinstance(d, torch.Tensor) else d
             for d in preconditioner(opt, params, [f"param{i}" for i in range(len(params))])]
 

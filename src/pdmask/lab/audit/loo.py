@@ -39,12 +39,10 @@ API (also used by the batch-mask evaluation, :mod:`pdmask.lab.audit.phi`)::
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from .config import AuditConfig
-from .steps import Forward, copy_in, make_optimizer, rollout_stats, step_loss, trainable
+from .steps import Forward, copy_in, optimizer_for, rollout_stats, step_loss, trainable
 
 F64 = torch.float64
 
@@ -54,16 +52,17 @@ def rows_of(rb, rows: torch.Tensor):
     return rb[rows]
 
 
-def aggregation_weights(response_mask: torch.Tensor, loss_agg: str, dtype=F64) -> torch.Tensor:
-    """(B, T) ``c_s = dL / dl_s``: the weight of each token's term in the aggregated loss.
+def aggregation_weights(response_mask: torch.Tensor, aggregation, dtype=F64) -> torch.Tensor:
+    """(B, T) ``c_s = dL / dl_s``: the weight of each token's term in the loss aggregated
+    with ``aggregation`` (a :class:`pdmask.Aggregation`, the loss spec's).
 
     :func:`pdmask.loss.aggregate` is linear in the per-token values with denominators
     that depend only on the response mask, so its gradient at any point is the weight.
     token-mean: ``1 / N``; seq-mean-token-mean: ``1 / (n_b * B')``; and so on."""
-    from ...loss import Aggregation, aggregate
+    from ...loss import aggregate
 
     x = torch.zeros(response_mask.shape, dtype=dtype, requires_grad=True)
-    (g,) = torch.autograd.grad(aggregate(x, response_mask, Aggregation(loss_agg)), x)
+    (g,) = torch.autograd.grad(aggregate(x, response_mask, aggregation), x)
     return g
 
 
@@ -84,7 +83,7 @@ def _as_mask(exclude, shape) -> torch.Tensor | None:
 
 
 class BatchStep:
-    """The audit's batch step (``cfg``: step_mode, optimizer, lr, clipping, loss) on a
+    """The audit's batch step (``cfg``: the loss spec, optimizer, lr, clipping) on a
     float64 copy of ``model``, replayable with any set of tokens excluded.
 
     Args:
@@ -100,11 +99,10 @@ class BatchStep:
 
     def __init__(self, model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor, cfg: AuditConfig,
                  *, optimizer_state: dict | None = None, dtype: torch.dtype = F64):
-        from ...masks import MODES
-
-        if "batch" in MODES[cfg.step_mode].needs:
-            raise ValueError(f"step_mode: {cfg.step_mode!r} needs an external batch direction; "
-                             "the leave-one-out step supports the per-token modes only")
+        cfg.check_loss()  # a mode with an external batch direction is refused there
+        if cfg.loss.corrections.is_batch_normalize:
+            raise ValueError("loss.corrections.is_batch_normalize: the leave-one-out step replays the terms of row "
+                             "slices, and a weight normalised over the batch makes a term depend on the other rows")
         if optimizer_state is not None and cfg.optimizer == "sgd":
             raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
         self.cfg, self.forward, self.rb, self.dtype = cfg, forward, rb, dtype
@@ -115,13 +113,13 @@ class BatchStep:
         self.theta0 = [p.detach().clone() for p in self.params]
         self.state = optimizer_state
         self.shape = tuple(rb.response_mask.shape)  # (B, T)
-        self.c = aggregation_weights(rb.response_mask.bool(), cfg.loss_agg, dtype)  # (B, T)
+        self.c = aggregation_weights(rb.response_mask.bool(), cfg.loss.aggregation, dtype)  # (B, T)
         logits = forward(self.model, rb.sequences, rb.attention_mask, rb.prompt_len)  # (B, T, V)
         out = step_loss(logits, rb, self.A, cfg)
         self.G = [g.detach() for g in torch.autograd.grad(out.loss, self.params, allow_unused=True)]
         self.G = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, self.G)]
         with torch.no_grad():
-            self.D0 = rollout_stats(logits.detach(), rb, temperature=cfg.temperature)[cfg.divergence]  # (B, T)
+            self.D0 = rollout_stats(logits.detach(), rb, sampling=cfg.loss.sampling)[cfg.divergence]  # (B, T)
         self._full: torch.Tensor | None = None  # D after the full step, all rows (lazy)
         self.chunk = 16  # own_effect: tokens whose gradients are held at once
 
@@ -142,11 +140,7 @@ class BatchStep:
     def _step(self, g_excluded) -> None:
         """theta <- step(state, G - g_E) on the copy (from theta0)."""
         cfg = self.cfg
-        opt = make_optimizer(self.params, cfg)
-        if self.state is not None:
-            opt.load_state_dict(copy.deepcopy(self.state))  # cast to the copy's dtype by torch
-            for g in opt.param_groups:
-                g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        opt = optimizer_for(self.params, cfg, self.state)  # cast to the copy's dtype by torch
         with torch.no_grad():
             for i, (p, p0, G) in enumerate(zip(self.params, self.theta0, self.G)):
                 p.copy_(p0)
@@ -178,7 +172,7 @@ class BatchStep:
         def measure(model):
             sub = rows_of(self.rb, rows)
             logits = self.forward(model, sub.sequences, sub.attention_mask, sub.prompt_len)
-            return rollout_stats(logits, sub, temperature=self.cfg.temperature)[self.cfg.divergence]
+            return rollout_stats(logits, sub, sampling=self.cfg.loss.sampling)[self.cfg.divergence]
         return measure
 
     def divergence_after(self, exclude=None, rows: torch.Tensor | None = None, *, g_excluded=None) -> torch.Tensor:

@@ -51,16 +51,15 @@ from pathlib import Path
 
 import torch
 
-from ..batchmask import BatchMask
+from ..._validate import check_choice
 from ...engine.hf import response_logits
-from ...corrections import Corrections
-from ...loss import Aggregation, aggregate, broadcast_advantages, policy_loss
-from ...masks import MODES, Thresholds, divergence_region, get_mode
-from ..significance import DEFAULT_N_BOOT
-from ...ops import Sampling
+from ...loss import aggregate, broadcast_advantages
+from ...masks import divergence_region
 from ...stats import token_stats
-from ...train.config import effective_is_cap
-from .config import default_delta
+from ...train.update import build_optimizer
+from ..batchmask import BatchMask
+from ..significance import DEFAULT_N_BOOT
+from .config import audit_loss, default_delta
 from .phi_report import markdown, sign_counts, summarize  # noqa: F401  (the report; re-exported)
 
 F64 = torch.float64
@@ -83,8 +82,8 @@ class PhiSettings:
     """
 
     divergence: str = "topk_kl"
-    delta_low: float = MODES["pdm-topk-kl"].default_delta
-    delta_high: float = MODES["pdm-topk-kl"].default_delta
+    delta_low: float = default_delta("topk_kl")
+    delta_high: float = default_delta("topk_kl")
     fractions: tuple = (0.1, 0.25, 0.5)
     loo_tokens: int = 48
     loo_outside: int = 16
@@ -93,8 +92,7 @@ class PhiSettings:
     bootstrap_seed: int = 0
 
     def validate(self) -> "PhiSettings":
-        if self.divergence not in ("topk_kl", "topk_tv"):
-            raise ValueError(f"divergence: unknown value {self.divergence!r}; valid values are: topk_kl, topk_tv")
+        check_choice("divergence", self.divergence, ("topk_kl", "topk_tv"))
         for k in ("delta_low", "delta_high"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"{k}: must be > 0, got {getattr(self, k)}")
@@ -155,18 +153,16 @@ class PhiStep:
     Args:
         model: the policy (copied; never modified).
         rb: the rollout batch. advantages: (B,) or (B, T).
-        tcfg: the trainer config (lr, weight_decay, grad_clip, is_cap, loss_agg, temperature).
+        tcfg: the trainer config: its whole loss spec with mode ``none`` (every token
+            updates; :attr:`loss`), lr, weight_decay, grad_clip.
         optimizer_state: the AdamW ``state_dict()`` every step starts from (copied per step).
         divergence, delta_low, delta_high: O and Phi.
     """
 
     def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
-                 delta_low: float = MODES["pdm-topk-kl"].default_delta,
-                 delta_high: float = MODES["pdm-topk-kl"].default_delta):
-        from ...train.update import ADAMW_BETAS
-
+                 delta_low: float = default_delta("topk_kl"), delta_high: float = default_delta("topk_kl")):
         self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
-        self.betas = ADAMW_BETAS
+        self.loss = phi_loss(tcfg, divergence, (delta_low, delta_high))
         self.model = copy64(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.theta0 = [p.detach().clone() for p in self.params]
@@ -176,12 +172,11 @@ class PhiStep:
         self.valid = valid
         logits = self._forward(self.model, torch.arange(valid.shape[0]))  # (B, T, V) float64
         self.stats = self._stats(logits.detach(), rb)
-        th = Thresholds(delta_low, delta_high).resolve(get_mode(f"pdm-batch-{divergence.replace('_', '-')}"))
-        self.O = divergence_region(divergence)(self.stats, self.A, th) & valid & (self.A != 0)  # (B, T)
+        self.O = divergence_region(divergence)(self.stats, self.A, self.loss.thresholds) & valid & (self.A != 0)  # (B, T)
         self.rows_O = self.O.any(1).nonzero().squeeze(1)
         self.phi0 = float((self.stats[divergence] * self.O).sum())
         x = torch.zeros(valid.shape, dtype=F64, requires_grad=True)
-        (self.a,) = torch.autograd.grad(aggregate(x, valid, Aggregation(tcfg.loss_agg)), x)  # (B, T) aggregation weights
+        (self.a,) = torch.autograd.grad(aggregate(x, valid, self.loss.aggregation), x)  # (B, T) aggregation weights
         per = self._token_loss(logits, rb, self.A)
         self.G = self._grad((self.a * per).sum())
         self._phi_full: float | None = None
@@ -197,26 +192,19 @@ class PhiStep:
         return r.replace(sampled_logprob=r.sampled_logprob.to(F64), topk_logprobs=r.topk_logprobs.to(F64), logits=None)
 
     def _stats(self, logits, rb):
-        return token_stats(logits, self._rollout(rb), sampling=Sampling(self.tcfg.temperature))
+        return token_stats(logits, self._rollout(rb), sampling=self.loss.sampling)
 
     def _token_loss(self, logits, rb, A):
-        return policy_loss(logits, self._rollout(rb), A, mode="none", corrections=Corrections(is_cap=self.tcfg.is_cap),
-                           aggregation=Aggregation(self.tcfg.loss_agg), sampling=Sampling(self.tcfg.temperature),
-                           validate=False).token_loss  # (R, T)
+        return self.loss(logits, self._rollout(rb), A).token_loss  # (R, T)
 
     def _grad(self, scalar, retain: bool = False):
         gs = torch.autograd.grad(scalar, self.params, allow_unused=True, retain_graph=retain)
         return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, gs)]
 
     def optimizer(self) -> torch.optim.AdamW:
-        """The trainer's AdamW over the copy, holding (a copy of) the warm state."""
-        t = self.tcfg
-        opt = torch.optim.AdamW(self.params, lr=t.lr, betas=self.betas, weight_decay=t.weight_decay)
-        if self.state is not None:
-            opt.load_state_dict(copy.deepcopy(self.state))  # moments cast to float64 by torch
-            for g in opt.param_groups:
-                g.update(lr=t.lr, betas=self.betas, weight_decay=t.weight_decay)
-        return opt
+        """The trainer's AdamW over the copy, holding (a copy of) the warm state (its moments
+        cast to float64 by torch)."""
+        return build_optimizer(self.params, lr=self.tcfg.lr, weight_decay=self.tcfg.weight_decay, state=self.state)
 
     # -------------------------------------------------------------- public
     def excluded_grad(self, exclude: torch.Tensor):
@@ -276,6 +264,21 @@ class PhiStep:
         return out
 
 
+def phi_loss(tcfg, divergence: str, deltas: tuple[float, float]):
+    """The Phi step's :class:`pdmask.PolicyLoss`: the trainer's whole loss spec with mode
+    ``none`` and O's deltas (no input checks: the rollout is the engine's own). Refused in
+    one line: truncated sampling (the batch mask scores the untruncated pi) and a weight
+    normalised over the batch (the replays differentiate row slices)."""
+    spec = audit_loss(tcfg.loss_fields, step_mode="none", deltas=deltas, divergence=divergence, validate=False)
+    if spec.sampling.truncated:
+        raise ValueError("loss.sampling: truncated sampling is not available in the Phi evaluation: the batch mask "
+                         "computes its direction on the untruncated pi")
+    if spec.corrections.is_batch_normalize:
+        raise ValueError("loss.corrections.is_batch_normalize: the Phi evaluation replays the terms of row slices, "
+                         "and a weight normalised over the batch makes a term depend on the other rows")
+    return spec
+
+
 # ------------------------------------------------------------------ one seed
 def _sample(mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
     """Up to n (b, t) indices of the True entries of a (B, T) mask, uniformly, sorted."""
@@ -296,9 +299,10 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
            "pdm-exact": A * st[ddot_key(settings.divergence, "exact")]}
     rb = ps.rb
     for name, params in [("pdm-batch", "all")] + [(f"pdm-batch-last{n}", n) for n in settings.batch_lasts]:
+        th = ps.loss.thresholds
         bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
-                       delta_low=settings.delta_low, delta_high=settings.delta_high, scope="region",
-                       temperature=ps.tcfg.temperature, is_cap=effective_is_cap(ps.tcfg), all_tokens=True)
+                       delta_low=th.delta_low, delta_high=th.delta_high, scope="region",
+                       temperature=ps.loss.sampling.temperature, is_cap=ps.loss.corrections.is_cap, all_tokens=True)
         res = bm(rb.sequences, rb.attention_mask, ps._rollout(rb), ps.A)
         if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
             raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")
@@ -348,7 +352,12 @@ class PhiRun:
     out: Path
     settings: dict = field(default_factory=dict)
 
-    def open(self) -> None:
+    def open(self, tcfg=None) -> None:
+        """Create the folder, or check that the settings it holds are these. The trainer
+        config (``tcfg``) is compared as :func:`pdmask.train.config.config_diff` compares a
+        stored run: in either version of its loss settings, results-neutral keys left out."""
+        from ...train.config import config_diff
+
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "seeds").mkdir(exist_ok=True)
         p = self.out / "settings.json"
@@ -356,12 +365,14 @@ class PhiRun:
         self.settings = json.loads(json.dumps(self.settings, default=str))
         if p.exists():
             old = json.loads(p.read_text())
-            if old != self.settings:
-                diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+            diff = sorted(k for k in set(old) | set(self.settings)
+                          if old.get(k) != self.settings.get(k) and (tcfg is None or k != "trainer_config"))
+            if tcfg is not None:
+                diff += [f"trainer_config.{k}" for k in config_diff(old.get("trainer_config", {}), tcfg)]
+            if diff:
                 raise ValueError(f"out: {str(self.out)!r} holds results of other settings ({', '.join(diff)}); "
                                  "use another --out")
-        else:
-            p.write_text(json.dumps(self.settings, indent=1, default=str))
+        p.write_text(json.dumps(self.settings, indent=1, default=str))  # in the current code's terms
 
     def done(self, seed: int) -> dict | None:
         p = self.out / "seeds" / f"seed-{seed:05d}.json"
@@ -385,7 +396,7 @@ def run(tcfg, settings: PhiSettings, *, out, model: str = "", lag: int = 0, seed
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
     run_ = PhiRun(Path(out), {"settings": asdict(settings), "model": model, "lag": lag,
                               "trainer_config": tcfg.to_dict()})
-    run_.open()
+    run_.open(tcfg)
     src = build_source(tcfg, model=model, lag=lag, console=console)
     if src.optimizer_state is None:
         raise ValueError("model: the evaluation needs a warm optimizer state; pass a `pdmask train` run directory "

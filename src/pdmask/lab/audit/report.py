@@ -198,10 +198,13 @@ def markdown(doc: dict) -> str:
     n_tok = sum(s["n_response_tokens"] for s in seeds)
     n_o = sum(s["n_out_of_region"] for s in seeds)
     n_dis = sum(s["n_disagreement"][headline] for s in seeds)
+    loss = cfg["loss"]
+    th = loss["thresholds"]
     L += [f"{len(seeds)} seeds, {n_tok} response tokens, {n_o} out-of-region tokens, {n_dis} disagreement tokens "
-          f"({headline} vs ratio); divergence `{cfg['divergence']}`, delta_low {cfg['delta_low']}, delta_high "
-          f"{cfg['delta_high']}; batch step: mode `{cfg['step_mode']}`, {cfg['optimizer']} lr {cfg['lr']}, "
-          f"loss_agg {cfg['loss_agg']}, is_cap {cfg['is_cap']}; optimizer state: "
+          f"({headline} vs ratio); divergence `{cfg['divergence']}`, "
+          + ", ".join(f"{k} {v}" for k, v in th.items() if k.startswith("delta"))
+          + f"; batch step: mode `{loss['mode']}`, {cfg['optimizer']} lr {cfg['lr']}, "
+          f"loss_agg {loss['aggregation']['loss_agg']}, is_cap {loss['corrections']['is_cap']}; optimizer state: "
           f"{run.get('optimizer_state', 'as given')}. All settings are in `audit.json`; every rate table is "
           "recomputable from `audit_tokens.npz` (`pdmask.lab.audit.report.report_from_records`).", ""]
     if doc.get("environment"):

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from .config import AuditConfig
-from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, out_of_region, outward, predictive_name
+from ...masks import divergence_region
+from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, outward, predictive_name
 from .fidelity import fidelity_counts, summarize_fidelity
 from .steps import Forward, batch_step, copy_in, isolated_param_changes, logit_step_changes, rollout_stats
 
@@ -116,7 +117,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     valid = rb.response_mask.bool()  # (B, T)
     A = _broadcast(advantages, valid.shape).float()
     A = torch.where(valid, A, torch.zeros_like(A))  # (B, T)
-    T, div = cfg.temperature, cfg.divergence
+    T, div, th = cfg.temperature, cfg.divergence, cfg.loss.thresholds
     clock: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -125,11 +126,11 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     # Every criterion and divergence of the audit in float64 (the step itself ran in the
     # model's dtype): tokens with pi ~ mu have |Ddot| ~ 1e-9, whose sign a float32
     # reduction would leave to rounding.
-    st = rollout_stats(logits0.double(), rb, temperature=T)
+    st = rollout_stats(logits0.double(), rb, sampling=cfg.loss.sampling)
     D0 = st[div]  # (B, T)
-    dD = rollout_stats(logits1.double(), rb, temperature=T)[div] - D0  # (B, T)
+    dD = rollout_stats(logits1.double(), rb, sampling=cfg.loss.sampling)[div] - D0  # (B, T)
     del logits1
-    region = out_of_region(D0, A, valid, delta_low=cfg.delta_low, delta_high=cfg.delta_high)  # (B, T) O
+    region = divergence_region(div)(st, A, th) & valid  # (B, T) O: the masks' region of the loss's thresholds
     values = criterion_values(st, cfg.family)  # criterion -> (B, T)
     clock["batch"] = time.perf_counter() - t0
 
@@ -161,7 +162,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
     # 5. estimator fidelity on the response tokens and on O
     t4 = time.perf_counter()
     fid = fidelity_counts(logits0, rb.response_ids, rb.rollout.logits, valid, {"response": active, "out_of_region": region},
-                          family=cfg.family, ks=cfg.fidelity_ks, temperature=T)
+                          family=cfg.family, ks=cfg.fidelity_ks, sampling=cfg.loss.sampling)
     clock["fidelity"] = time.perf_counter() - t4
 
     def flag(ix):
@@ -172,7 +173,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
         full[chosen] = x.to(F64)
         return full.numpy()
 
-    delta = torch.where(A_o > 0, torch.tensor(cfg.delta_high, dtype=F64), torch.tensor(cfg.delta_low, dtype=F64))
+    delta = torch.where(A_o > 0, torch.tensor(th.delta_high, dtype=F64), torch.tensor(th.delta_low, dtype=F64))
     tokens = {"seed": np.full(n, int(seed), dtype=np.int64), "b": bt[:, 0].numpy(), "t": bt[:, 1].numpy(),
               "A": A_o.numpy(), "D": D0[sel].double().numpy(), "delta": delta.numpy(),
               **{f"c_{c}": v.double().numpy() for c, v in vals_o.items()}, "hdot": hdot[sel].double().numpy(),

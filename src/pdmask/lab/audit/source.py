@@ -119,7 +119,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     path = S.base_path
     info = {"checkpoint": str(path), **ck, "sft": sft_info(path), "num_params": num_params(policy),
             "vocab_size": policy.get_output_embeddings().weight.shape[0], "engine": tcfg.engine,
-            "engine_precision": tcfg.engine_precision, "temperature": tcfg.temperature, "top_k": tcfg.top_k,
+            "engine_precision": tcfg.engine_precision, "temperature": tcfg.loss.sampling.temperature, "top_k": tcfg.top_k,
             "lag": lag, "lag_steps": lag_info, "prompts_per_step": tcfg.prompts_per_step, "group_size": G,
             "max_new_tokens": tcfg.max_new_tokens, "task": tcfg.task, "threads": tcfg.threads}
     return Source(policy, engine, response_logits, sample, opt_state, json.loads(json.dumps(info, default=str)))

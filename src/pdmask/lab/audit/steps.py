@@ -28,12 +28,12 @@ from typing import Callable
 
 import torch
 
-from ...corrections import Corrections
-from ...loss import Aggregation, PolicyLossOutput, policy_loss
-from ...masks import Thresholds
+from ..._validate import check_choice
+from ...loss import PolicyLossOutput
 from ...ops import Sampling
 from ...rollout import Rollout
 from ...stats import token_stats
+from ...train.update import build_optimizer
 from .config import AuditConfig
 
 Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -69,31 +69,28 @@ def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
     return params
 
 
-def make_optimizer(params, cfg: AuditConfig) -> torch.optim.Optimizer:
-    """A fresh optimizer (no state), as at the first step of training."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+def optimizer_for(params, cfg: AuditConfig, state: dict | None = None) -> torch.optim.Optimizer:
+    """The batch step's optimizer (:func:`pdmask.train.update.build_optimizer` with the
+    audit's settings): fresh, as at the first step of training, or holding a copy of
+    ``state``'s moments with the audit's hyperparameters."""
+    return build_optimizer(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, kind=cfg.optimizer,
+                           state=state)
 
 
-def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, temperature: float) -> dict:
-    """:func:`pdmask.token_stats` of ``logits`` against the batch's rollout view (top-K + full logits)."""
-    return token_stats(logits, rb.rollout[rows], sampling=Sampling(temperature))
+def rollout_stats(logits: torch.Tensor, rb, rows=slice(None), *, sampling: Sampling) -> dict:
+    """:func:`pdmask.token_stats` of ``logits`` against the batch's rollout view (top-K + full
+    logits), at the loss spec's ``sampling`` (``cfg.loss.sampling``)."""
+    return token_stats(logits, rb.rollout[rows], sampling=sampling)
 
 
 def step_loss(logits: torch.Tensor, rb, advantages: torch.Tensor, cfg: AuditConfig) -> PolicyLossOutput:
-    """The batch step's loss: ``policy_loss(mode=cfg.step_mode)`` with the audit's settings.
+    """The batch step's loss: ``cfg.loss``, the trainer's whole loss spec with the step mode.
 
-    Its ``token_loss`` (B, T) holds each token's term before aggregation; every term
-    depends on its own position only (the step modes are per-token), so a slice of rows
-    gives the same terms as the whole batch."""
-    return policy_loss(
-        logits, rb.rollout, advantages, mode=cfg.step_mode, estimator=cfg.estimator,
-        thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high),
-        corrections=Corrections(is_cap=cfg.is_cap), aggregation=Aggregation(cfg.loss_agg),
-        sampling=Sampling(cfg.temperature),
-    )
+    Its ``token_loss`` (B, T) holds each token's term before aggregation; a term depends
+    on its own sequence only (the step modes are per-token, the corrections per token or
+    per sequence; a weight normalised over the batch is refused where rows are sliced,
+    :class:`.loo.BatchStep`), so a slice of rows gives the same terms as the whole batch."""
+    return cfg.loss(logits, rb.rollout, advantages)
 
 
 def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
@@ -111,13 +108,7 @@ def batch_step(model: torch.nn.Module, forward: Forward, rb, advantages: torch.T
     """
     params = trainable(model)
     saved = [p.detach().clone() for p in params]
-    opt = make_optimizer(params, cfg)
-    if optimizer_state is not None:
-        if cfg.optimizer == "sgd":
-            raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
-        opt.load_state_dict(copy.deepcopy(optimizer_state))
-        for g in opt.param_groups:  # the state's moments, this audit's hyperparameters
-            g.update(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = optimizer_for(params, cfg, optimizer_state)
     try:
         logits = forward(model, rb.sequences, rb.attention_mask, rb.prompt_len)
         out = step_loss(logits, rb, advantages, cfg)
@@ -150,7 +141,7 @@ def step_params(model: torch.nn.Module, which: str) -> list[torch.Tensor]:
         if head is None:
             raise ValueError("isolated_params: 'head' needs a model with get_output_embeddings() (a transformers LM)")
         return [p for p in head.parameters() if p.requires_grad]
-    raise ValueError(f"isolated_params: unknown value {which!r}; valid values are: all, head")
+    check_choice("isolated_params", which, ("all", "head"))
 
 
 def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor,
@@ -170,7 +161,7 @@ def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advanta
     m = copy_in(model, dtype)
     params = step_params(m, params)
     saved = [p.detach().clone() for p in params]
-    div, T = cfg.divergence, cfg.temperature
+    div, sampling, is_cap = cfg.divergence, cfg.loss.sampling, cfg.loss.corrections.is_cap
     for b in tokens[:, 0].unique().tolist():
         rows = slice(b, b + 1)
         which = (tokens[:, 0] == b).nonzero().squeeze(1).tolist()
@@ -179,10 +170,10 @@ def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advanta
             # A fresh forward per token: the in-place step + restore below would
             # invalidate a graph shared between tokens (and keeping n gradients instead
             # would cost n copies of the model).
-            st = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, temperature=T)  # (1, T) each
+            st = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, sampling=sampling)  # (1, T) each
             t = int(tokens[i, 1])
             a = advantages[b, t].to(dtype)
-            loss = -_is_weight(st["log_ratio"][0, t], cfg.is_cap) * a * st["logp"][0, t]
+            loss = -_is_weight(st["log_ratio"][0, t], is_cap) * a * st["logp"][0, t]
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             gnorm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
@@ -191,7 +182,7 @@ def isolated_param_changes(model: torch.nn.Module, forward: Forward, rb, advanta
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     p.sub_((cfg.isolated_step / gnorm).to(dtype) * g)
-                d1 = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, temperature=T)[div][0, t]
+                d1 = rollout_stats(forward(m, seq, am, rb.prompt_len), rb, rows, sampling=sampling)[div][0, t]
                 dD[i] = (d1.double() - st[div][0, t].detach().double())
                 for p, s in zip(params, saved):
                     p.copy_(s)

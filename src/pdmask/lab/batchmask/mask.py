@@ -31,7 +31,7 @@ import torch
 from ..._validate import check_choice, check_positive, prepare
 from ...keys import ESTIMATORS, ddot_key
 from ...loss import broadcast_advantages
-from ...masks import Thresholds, divergence_region, get_mode
+from ...masks import MODES, Thresholds, divergence_region, get_mode
 from ...ops import Compute, Sampling, chunk_rows_for
 from ...rollout import Rollout
 from ...stats import MAX_LOG_RATIO, token_stats
@@ -74,6 +74,25 @@ class BatchMaskOutput:
         """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
         return {"mode": self.mode, "batch_ddot": self.ddot,
                 "thresholds": Thresholds(delta_low=self.delta_low, delta_high=self.delta_high)}
+
+
+def batch_mode_settings(mode) -> tuple[str, str]:
+    """``(divergence, scope)`` of a registered batch mode (a name or a :class:`pdmask.MaskMode`
+    that needs the batch direction): read from the mode, not its name. ``scope`` is
+    ``"region"`` when the mode's region is a divergence region, else ``"all"``."""
+    mm = get_mode(mode)
+    if "batch" not in mm.needs:
+        raise ValueError(f"mode: {mm.name!r} does not take the batch direction; the batch modes are: "
+                         f"{', '.join(n for n, m in MODES.items() if 'batch' in m.needs)}")
+    return mm.divergence, "region" if getattr(mm.region, "divergence", None) is not None else "all"
+
+
+def batch_mode(divergence: str, scope: str):
+    """The registered batch mode of ``divergence`` and ``scope`` (registry lookup)."""
+    found = [m for n, m in MODES.items() if "batch" in m.needs and batch_mode_settings(m) == (divergence, scope)]
+    if not found:
+        raise ValueError(f"divergence: no batch mode is registered for {divergence!r} with scope {scope!r}")
+    return found[0]
 
 
 def _check_layout(input_ids, attention_mask, response_mask, validate: bool) -> int:
@@ -141,7 +160,7 @@ class BatchMask:
         self.subset = select_params(model, params)
         pre.check(optimizer, self.subset.params, [ns[0] for ns in self.subset.names])
         self.divergence, self.estimator, self.scope, self.method = divergence, estimator, scope, method
-        self.mode = f"pdm-batch-{'all-' if scope == 'all' else ''}{divergence.replace('_', '-')}"
+        self.mode = batch_mode(divergence, scope).name
         th = Thresholds(delta_low, delta_high).resolve(get_mode(self.mode))
         self.thresholds, self.delta_low, self.delta_high = th, th.delta_low, th.delta_high
         self.temperature, self.is_cap, self.chunk_size = float(temperature), is_cap, chunk_size

@@ -14,10 +14,9 @@ import torch
 
 from ..._validate import check_choice
 from ...engine.base import RolloutBatch
-from ...masks import get_mode
-from ...train.config import TrainConfig, effective_is_cap
+from ...train.config import TrainConfig
 from ...train.forwards import register_forward
-from .mask import METHODS, BatchMask
+from .mask import METHODS, BatchMask, batch_mode_settings
 
 #: BatchMask diagnostics logged by the batch modes (as ``batch_<name>``)
 BATCH_METRICS = ("phi", "direction_norm", "outward_frac_out_of_region", "agree_ratio_frac", "agree_pdm_frac")
@@ -33,20 +32,22 @@ def batch_params(cfg: TrainConfig):
 
 
 def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
-    """The (cached) :class:`pdmask.lab.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
+    """The (cached) :class:`pdmask.lab.batchmask.BatchMask` of ``cfg.loss`` for ``model`` and
+    ``optimizer``: its mode's divergence and scope, and the loss's estimator, thresholds,
+    temperature and IS cap."""
+    spec = cfg.loss
     if optimizer is None:
-        raise ValueError(f"optimizer: mode {cfg.mode!r} needs the optimizer that takes the step (its state is "
+        raise ValueError(f"optimizer: mode {spec.mode!r} needs the optimizer that takes the step (its state is "
                          "the preconditioner of the batch direction); pass optimizer= to compute_loss")
-    mode = get_mode(cfg.mode)
-    key = (id(optimizer), cfg.mode, cfg.batch_params, cfg.batch_method, cfg.estimator, cfg.delta_low,
-           cfg.delta_high, cfg.temperature, effective_is_cap(cfg))
+    divergence, scope = batch_mode_settings(spec.mode)
+    key = (id(optimizer), spec, cfg.batch_params, cfg.batch_method)
     hit = _MASKERS.get(model)
     if hit is not None and hit[0] == key and hit[1]() is optimizer:
         return hit[2]
-    bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=mode.divergence,
-                   estimator=cfg.estimator, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                   scope="all" if cfg.mode.startswith("pdm-batch-all-") else "region", method=cfg.batch_method,
-                   temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
+    th = spec.thresholds  # resolved: the mode's deltas where none were given
+    bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=divergence,
+                   estimator=spec.estimator, delta_low=th.delta_low, delta_high=th.delta_high, scope=scope,
+                   method=cfg.batch_method, temperature=spec.sampling.temperature, is_cap=spec.corrections.is_cap)
     _MASKERS[model] = (key, weakref.ref(optimizer), bm)
     return bm
 
