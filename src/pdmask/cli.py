@@ -164,10 +164,10 @@ def compare(
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
         from . import MODES
+        from ._validate import check_choice
 
         for m in mode_list:
-            if m not in MODES:
-                raise ValueError(f"modes: unknown mode {m!r}; valid modes are: {', '.join(MODES)}")
+            check_choice("modes", m, tuple(MODES))
         delta_list = None
         if deltas:
             try:

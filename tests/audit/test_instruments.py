@@ -12,12 +12,29 @@ pytest.importorskip("transformers")
 
 from audit_toy import audit_config, llama_batch, perturbed, tiny_llama  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
-from pdmask.lab.audit.instruments import (GROUPS, inner_products, optimizer_preconditioner, token_objectives,  # noqa: E402
-                                      total_inner_product)
+from pdmask.lab.audit.instruments import (GROUPS, _dot, inner_products, optimizer_preconditioner,  # noqa: E402
+                                          token_objectives)
 from pdmask.lab.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 
 F64 = torch.float64
+
+
+def total_inner_product(model: torch.nn.Module, forward, rb, advantages: torch.Tensor, b: int, t: int,
+                        cfg, *, P: list | None = None) -> torch.Tensor:
+    """``<grad D_t, P grad L_t>`` over the model's own (tied) parameters, without any split:
+    the reference the group split is tested against."""
+    params = trainable(model)
+    rows = slice(b, b + 1)
+    z = forward(model, rb.sequences[rows], rb.attention_mask[rows], rb.prompt_len)[0, t]  # (V,)
+    D, logp = token_objectives(z, rb, b, t, cfg.divergence, cfg.temperature)
+    gD = torch.autograd.grad(D, params, allow_unused=True, retain_graph=True)
+    gL = torch.autograd.grad(advantages[b, t].to(logp.dtype) * logp, params, allow_unused=True)
+    tot = torch.zeros((), dtype=F64)
+    for i, (a, c) in enumerate(zip(gD, gL)):
+        if a is not None and c is not None:
+            tot = tot + _dot(a, c, None if P is None else P[i])
+    return tot
 TOKENS = torch.tensor([[0, 0], [0, 2], [1, 1], [2, 4]])  # two tokens of one sequence: the shared forward
 
 

@@ -10,7 +10,8 @@ import pdmask
 
 pytest.importorskip("transformers", reason="the evaluation builds a transformers model")
 
-from pdmask.lab.audit.phi import PhiSettings, PhiStep, copy64, main, sign_counts, summarize, top_m  # noqa: E402
+from pdmask.lab.audit.phi import PhiSettings, PhiStep, copy64, main, top_m  # noqa: E402
+from pdmask.lab.audit.phi_report import sign_counts, summarize  # noqa: E402
 from pdmask.engine.hf import HFEngine, response_logits  # noqa: E402
 from tests.flat import policy_loss  # noqa: E402
 from tests.flat import token_stats  # noqa: E402

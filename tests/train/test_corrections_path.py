@@ -13,7 +13,7 @@ from pdmask.ops import sampling_kept_mask
 import pdmask.lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes' trainer forward)
 from pdmask.ops import Sampling
 from pdmask.train.config import load_config
-from pdmask.train.grpo import compute_loss
+from pdmask.train.update import compute_loss
 from pdmask.train.model import build_model
 
 SMALL = ["hidden_size=32", "num_layers=2", "num_heads=4", "intermediate_size=64", "temperature=0.8",

@@ -54,7 +54,7 @@ def test_plan_order_and_cell_configs(tmp_path, smoke_config):
 
 
 @pytest.mark.parametrize("edit,overrides,msg", [
-    (lambda s: s.update(modes=["none", "dppo-topk"]), [], "modes: unknown mode 'dppo-topk'"),
+    (lambda s: s.update(modes=["none", "dppo-topk"]), [], "modes: unknown value 'dppo-topk'; valid values are: grpo"),
     (lambda s: s.update(bogus=1), [], "spec: unknown key 'bogus'"),
     (lambda s: s["rungs"].append({"name": "calm"}), [], "rungs\\[2\\].name: 'calm' is empty, repeated"),
     (lambda s: s["rungs"][0]["set"].update(stpes=3), [], "rungs\\[0\\].set: unknown config key 'stpes'"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from .._validate import check_choice
 from .base import RolloutEngine
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
@@ -54,8 +55,7 @@ def check_backend(name: str) -> None:
     raises :class:`MissingExtra` when the extra is missing."""
     if name not in ENGINES and name in LAZY:
         _import_lazy(name)
-    if name not in ENGINES:
-        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    check_choice("engine", name, tuple(engine_names()))
     if name in LAZY:
         check = getattr(importlib.import_module(LAZY[name]), "check_installed", None)
         if check is not None:
@@ -76,8 +76,7 @@ def make_engine(name: str, model, *, tokenizer=None, eos_id: int, pad_id: int, p
     """Build the rollout engine ``name`` (``hf``; ``vllm`` when its backend is installed)."""
     if name not in ENGINES and name in LAZY:
         _import_lazy(name)
-    if name not in ENGINES:
-        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    check_choice("engine", name, tuple(engine_names()))
     return ENGINES[name](model, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id, precision=precision,
                          temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
 

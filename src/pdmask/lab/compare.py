@@ -32,7 +32,8 @@ import torch
 
 from ..train.config import TrainConfig, replace
 from ..train.environment import environment
-from ..train.grpo import compute_loss, rollout_seed, select, setup, step_prompts, train
+from ..train.grpo import rollout_seed, setup, step_prompts, train
+from ..train.update import compute_loss, select
 from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
 from ..train.rollout import decode_responses, group_advantages, rewards_for
 from .seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables

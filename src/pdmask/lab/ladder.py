@@ -116,14 +116,14 @@ def _resolve(name: str | Path, base_dir: Path | None, what: str) -> Path:
 
 def _modes_list(v, where: str) -> list[str]:
     from .. import MODES
+    from .._validate import check_choice
 
     if isinstance(v, str):
         v = [m.strip() for m in v.split(",") if m.strip()]
     if not isinstance(v, list) or not all(isinstance(m, str) for m in v):
         raise ValueError(f"{where}: expected a list of mode names, got {v!r}")
     for m in v:
-        if m not in MODES:
-            raise ValueError(f"{where}: unknown mode {m!r}; valid modes are: {', '.join(MODES)}")
+        check_choice(where, m, tuple(MODES))
     if len(set(v)) != len(v):
         raise ValueError(f"{where}: a mode is listed twice ({', '.join(v)})")
     return list(v)

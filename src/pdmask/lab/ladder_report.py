@@ -149,6 +149,7 @@ def _not_run_note(rung: str, todo: list, planned: list) -> str:
 def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], list[str]]:
     """Finished runs of a rung: the planned cells that are done, plus finished runs of other
     modes/seeds found on disk whose settings match the rung (added with --modes/--seeds)."""
+    from ..train.config import stored_loss
     from .ladder import Cell, cell_config, cell_status
 
     runs, notes = [], []
@@ -174,7 +175,8 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
                 continue
             cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}
             try:
-                cell = Cell(rung, cfg["mode"], int(cfg["seed"]), cell_config(spec, rung, cfg["mode"], int(cfg["seed"]), out))
+                mode = stored_loss(cfg)["mode"]  # either version of config.yaml
+                cell = Cell(rung, mode, int(cfg["seed"]), cell_config(spec, rung, mode, int(cfg["seed"]), out))
                 ok = cell.cfg.run_name == d.name and cell_status(cell) == "done"
             except (ValueError, KeyError):
                 ok = False
@@ -185,10 +187,43 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
     return runs, notes
 
 
+def _mode_row(m: str, g: dict, extras: dict, ref_coll: dict, spec) -> dict:
+    """One mode's row of a rung: final accuracy, collapse (Clopper-Pearson), mismatch,
+    masked share and, against the reference, the paired differences and McNemar's test of
+    the collapses (``g``: the mode's group of the across-seed summary)."""
+    from .significance import clopper_pearson, mcnemar_exact
+
+    seeds = [int(s) for s in g["runs"]]
+    rr = [g["runs"][str(s)] for s in seeds]
+    ex = [extras[(m, s)] for s in seeds]
+    coll = {s: collapsed(r["worst_drop"], r["eval_final"], e["eval_step0"], spec.collapse_drop)
+            for s, r, e in zip(seeds, rr, ex)}
+    k = sum(coll.values())
+    lo, hi = clopper_pearson(k, len(seeds))
+    row = {"mode": m, "n": len(seeds), "seeds": seeds,
+           "eval_final": _boot_mean([r["eval_final"] for r in rr]),
+           "eval_last_number_final": _mean([e["eval_last_number_final"] for e in ex]),
+           "worst_drop": _mean([r["worst_drop"] for r in rr]),
+           "collapse": {"k": k, "n": len(seeds), "rate": k / len(seeds), "lo": lo, "hi": hi,
+                        "per_seed": [coll[s] for s in seeds]},
+           "mismatch_mean": _mean([e["mismatch_mean"] for e in ex]),
+           "masked_frac": g["masked_frac_pooled"]["estimate"], "vs_reference": None}
+    vs = g.get("vs_reference")
+    if vs:
+        common = [s for s in seeds if s in ref_coll]
+        b = sum(coll[s] and not ref_coll[s] for s in common)
+        c = sum(ref_coll[s] and not coll[s] for s in common)
+        row["vs_reference"] = {"reference": vs["reference_group"], "n": vs["n"],
+                               "eval_final": vs["eval_final"], "eval_auc": vs["eval_auc"],
+                               "worst_drop": vs["worst_drop"],
+                               "collapse": {"only_mode": b, "only_reference": c, "n": len(common),
+                                            "p": mcnemar_exact(b, c)}}
+    return row
+
+
 def build_report(spec, out: str | Path, *, console=None, plot: bool = True, command: str | None = None) -> dict:
     """Assemble (and write) the ladder report from the finished cells under ``out``;
     ``command``, the command line that writes it, is named at the page's top."""
-    from .significance import clopper_pearson, mcnemar_exact
     from .ladder import plan_cells
     from .ladder_pooled import pooled_vs_reference
     from .report import load_summaries, plot_curve_bands, plot_eval_bands, write_summary
@@ -236,34 +271,7 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True, comm
         ref = by_mode.get(spec.reference)
         ref_coll = ({int(s): collapsed(r["worst_drop"], r["eval_final"], extras[(spec.reference, int(s))]["eval_step0"],
                                        spec.collapse_drop) for s, r in ref["runs"].items()} if ref else {})
-        for m in order:
-            g = by_mode[m]
-            seeds = [int(s) for s in g["runs"]]
-            rr = [g["runs"][str(s)] for s in seeds]
-            ex = [extras[(m, s)] for s in seeds]
-            coll = {s: collapsed(r["worst_drop"], r["eval_final"], e["eval_step0"], spec.collapse_drop)
-                    for s, r, e in zip(seeds, rr, ex)}
-            k = sum(coll.values())
-            lo, hi = clopper_pearson(k, len(seeds))
-            row = {"mode": m, "n": len(seeds), "seeds": seeds,
-                   "eval_final": _boot_mean([r["eval_final"] for r in rr]),
-                   "eval_last_number_final": _mean([e["eval_last_number_final"] for e in ex]),
-                   "worst_drop": _mean([r["worst_drop"] for r in rr]),
-                   "collapse": {"k": k, "n": len(seeds), "rate": k / len(seeds), "lo": lo, "hi": hi,
-                                "per_seed": [coll[s] for s in seeds]},
-                   "mismatch_mean": _mean([e["mismatch_mean"] for e in ex]),
-                   "masked_frac": g["masked_frac_pooled"]["estimate"], "vs_reference": None}
-            vs = g.get("vs_reference")
-            if vs:
-                common = [s for s in seeds if s in ref_coll]
-                b = sum(coll[s] and not ref_coll[s] for s in common)
-                c = sum(ref_coll[s] and not coll[s] for s in common)
-                row["vs_reference"] = {"reference": vs["reference_group"], "n": vs["n"],
-                                       "eval_final": vs["eval_final"], "eval_auc": vs["eval_auc"],
-                                       "worst_drop": vs["worst_drop"],
-                                       "collapse": {"only_mode": b, "only_reference": c, "n": len(common),
-                                                    "p": mcnemar_exact(b, c)}}
-            entry["modes"].append(row)
+        entry["modes"] += [_mode_row(m, by_mode[m], extras, ref_coll, spec) for m in order]
     rep = json_safe({"name": spec.name, "command": command, "reference": spec.reference,
                      "collapse_drop": spec.collapse_drop,
                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,

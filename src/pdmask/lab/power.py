@@ -90,15 +90,6 @@ class _PowerCurve:
         return float((p <= self.alpha).mean())
 
 
-def power_at(d, shift: float, *, n: int | None = None, alpha: float = 0.05, n_sim: int = 2000,
-             seed: int = 0) -> float:
-    """The share of simulated ``n``-seed designs (noise resampled from the centred ``d``,
-    true shift ``shift``) whose two-sided sign-flip p is ``<= alpha``."""
-    d, n = _prepare(d, n)
-    _check(alpha, 0.5, n_sim)
-    return _PowerCurve(d - d.mean(), n, alpha, n_sim, seed)(float(shift))
-
-
 def _prepare(d, n):
     d = np.asarray(d, dtype=np.float64).reshape(-1)
     if d.size < 2:

@@ -96,12 +96,6 @@ def _source(src: Path, cfg: TrainConfig) -> tuple[dict, list[dict], dict] | str:
     return got
 
 
-def prefix_problem(src: str | Path, cfg: TrainConfig) -> str | None:
-    """Why the run in ``src`` cannot stand in for the ``cfg`` run, or None when it can."""
-    got = _source(Path(src), cfg)
-    return got if isinstance(got, str) else None
-
-
 def take_prefix(src: str | Path, cfg: TrainConfig) -> dict:
     """Write the ``cfg`` run (``cfg.run_dir``: config.yaml, metrics.jsonl, summary.json)
     from the first ``cfg.steps`` steps of the finished longer run in ``src``; returns

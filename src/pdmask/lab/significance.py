@@ -476,19 +476,3 @@ def format_rate(estimate: float, lo: float, hi: float, *, n_units: float | None 
     if n_seeds is not None:
         parts.append(f"{n_seeds} seed{'s' if n_seeds != 1 else ''}")
     return format_interval(estimate, lo, hi, spec=spec) + (f" ({', '.join(parts)})" if parts else "")
-
-
-def format_pooled(r: PooledRatio, *, unit: str = "tokens", spec: str = ".3f") -> str:
-    """A :class:`PooledRatio` as ``rate [lo, hi] (den units, n seeds)``."""
-    return format_rate(r.estimate, r.lo, r.hi, n_units=r.den, n_seeds=r.n_clusters, unit=unit, spec=spec)
-
-
-def format_difference(diff: PairedDifference | RatioDifference, *, spec: str = ".3f", p: float | None = None) -> str:
-    """``+0.012 [-0.030, +0.050], p = 0.25 (4 seeds)`` for a paired difference (``p``
-    overrides or supplies the p-value, e.g. a McNemar p for a :class:`RatioDifference`)."""
-    pv = p if p is not None else getattr(diff, "p", None)
-    n = diff.n if isinstance(diff, PairedDifference) else diff.n_clusters
-    s = format_interval(diff.estimate, diff.lo, diff.hi, spec=spec, sign=True)
-    if pv is not None:
-        s += f", {format_p(pv)}"
-    return s + f" ({n} seed{'s' if n != 1 else ''})"

@@ -473,11 +473,6 @@ def _plain(x):
     return x
 
 
-def default_loss() -> PolicyLoss:
-    """The trainer's default loss spec (the core's defaults and :data:`TRAINER_LOSS_DEFAULTS`)."""
-    return build_loss(loss_fields())[0]
-
-
 def field_help() -> list[tuple[str, str, str, str]]:
     """(name, type, default, help) of every field, the loss's one row per leaf, for the CLI."""
     hints = typing.get_type_hints(TrainConfig)

@@ -50,12 +50,10 @@ from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
-from .update import compute_loss, make_optimizer, select, update_step
+from .update import make_optimizer, select, update_step
 
-# build_engine, compute_loss and select live in engine/registry.py and update.py; they
-# stay importable from here for existing callers (train/compare.py, notebooks)
-__all__ = ["Setup", "TIME_KEYS", "build_engine", "compute_loss", "open_run", "rollout_seed", "select", "setup",
-           "step_metrics", "step_prompts", "summarize", "train"]
+__all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
+           "train"]
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
 TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",

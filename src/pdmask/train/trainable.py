@@ -36,13 +36,6 @@ def variant(cfg) -> dict:
     return {k: getattr(cfg, k) for k in VARIANT_FIELDS}
 
 
-def describe(cfg) -> str:
-    """``full``, ``top-4 blocks``, ``LoRA r=8``, ``LoRA r=8 in the top 4 blocks``."""
-    if cfg.lora_rank:
-        return f"LoRA r={cfg.lora_rank}" + (f" in the top {cfg.train_blocks} blocks" if cfg.train_blocks else "")
-    return f"top-{cfg.train_blocks} blocks" if cfg.train_blocks else "full"
-
-
 def lora_targets(cfg) -> list[str]:
     return [t.strip() for t in cfg.lora_targets.split(",")]
 

@@ -315,8 +315,7 @@ def masked_policy_loss(
 def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
     """A verl ``PolicyLossFn`` for one pdmask mode (signature as verl calls it)."""
     get_mode(mode_name)
-    if mode_name not in BINARY_MODES + TOPK_MODES:
-        raise ValueError(f"mode: {mode_name!r} cannot be fed by verl; valid: {', '.join(BINARY_MODES + TOPK_MODES)}")
+    check_choice("mode", mode_name, BINARY_MODES + TOPK_MODES)  # the modes verl can feed
     topk = mode_name in TOPK_MODES
     specs: dict = {}  # the PolicyLoss of each actor config, built once
 

@@ -110,7 +110,8 @@ def _seed_dir(out: Path, fp: dict, fresh: bool) -> Path:
         if old == fp:
             f.write_text(json.dumps(fp, indent=1))  # now in the current code's terms
         else:
-            diff = [f"{sec}.{k}" for sec in fp for k in (fp[sec] if isinstance(fp[sec], dict) else [None])
+            diff = [f"{sec}.{k}" for sec in fp
+                    for k in (sorted(set(fp[sec]) | set(old.get(sec) or {})) if isinstance(fp[sec], dict) else [None])
                     if (old.get(sec, {}).get(k) if k else old.get(sec)) != (fp[sec].get(k) if k else fp[sec])]
             raise ValueError(f"out: {str(out)!r} holds seeds audited with other settings ({', '.join(diff[:5])} "
                              "differ); use another --out or pass --fresh")
@@ -139,7 +140,7 @@ def _with_new_defaults(old: dict, fp: dict) -> dict:
         if k not in t and k in defaults:
             t[k] = defaults[k]
     audit = old.get("audit", {})
-    if "loss" not in audit:
+    if "loss" not in audit and "step_mode" in audit:
         audit = _audit_of_flat(audit)
     return {**old, "trainer": t, "audit": audit}
 

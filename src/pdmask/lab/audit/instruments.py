@@ -202,20 +202,3 @@ def inner_products(model: torch.nn.Module, forward: Forward, rb, advantages: tor
         if hook is not None:
             hook.remove()
     return out
-
-
-def total_inner_product(model: torch.nn.Module, forward: Forward, rb, advantages: torch.Tensor, b: int, t: int,
-                        cfg, *, P: list | None = None) -> torch.Tensor:
-    """``<grad D_t, P grad L_t>`` over the model's own (tied) parameters, without any split:
-    the reference the group split is tested against."""
-    params = trainable(model)
-    rows = slice(b, b + 1)
-    z = forward(model, rb.sequences[rows], rb.attention_mask[rows], rb.prompt_len)[0, t]  # (V,)
-    D, logp = token_objectives(z, rb, b, t, cfg.divergence, cfg.temperature)
-    gD = torch.autograd.grad(D, params, allow_unused=True, retain_graph=True)
-    gL = torch.autograd.grad(advantages[b, t].to(logp.dtype) * logp, params, allow_unused=True)
-    tot = torch.zeros((), dtype=F64)
-    for i, (a, c) in enumerate(zip(gD, gL)):
-        if a is not None and c is not None:
-            tot = tot + _dot(a, c, None if P is None else P[i])
-    return tot

@@ -60,7 +60,7 @@ from ...train.update import build_optimizer
 from ..batchmask import BatchMask
 from ..significance import DEFAULT_N_BOOT
 from .config import audit_loss, default_delta
-from .phi_report import markdown, sign_counts, summarize  # noqa: F401  (the report; re-exported)
+from .phi_report import markdown, summarize
 
 F64 = torch.float64
 #: the criteria every seed measures (plus ``pdm-batch-lastN`` per ``batch_lasts``)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._validate import check_choice
 from ...divergences import build_support
 from ...ops import compute_dtype
 
@@ -45,6 +46,7 @@ def divergence_grad_rows(
     temperature: float,
 ) -> torch.Tensor:
     """``dD_t / dz_t`` (c, V) of each row's top-K divergence, in the compute dtype (see module doc)."""
+    check_choice("divergence", divergence, PHI_DIVERGENCES)
     V = logits.shape[-1]
     logq = torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, -1)  # (c, V)
     p = logq.exp()
@@ -62,14 +64,12 @@ def divergence_grad_rows(
         M = sup.mu.sum(-1) + sup.mu_tail  # (c,)
         grad = p * M[:, None] - sup.mu_tail[:, None] * share  # tail rows of the formula
         on_support = sup.pi * M[:, None] - sup.mu  # (c, K+1)
-    elif divergence == "topk_tv":
+    else:  # topk_tv
         s = 0.5 * torch.sign(sup.pi - sup.mu) * sup.valid
         s_tail = 0.5 * torch.sign(sup.pi_tail - sup.mu_tail)  # the sign the forward's |.| used
         gbar = (sup.pi * s).sum(-1) + pi_tail * s_tail
         grad = p * (s_tail - gbar)[:, None]
         on_support = sup.pi * (s - gbar[:, None])
-    else:
-        raise ValueError(f"divergence: unknown value {divergence!r}; valid values are: {', '.join(PHI_DIVERGENCES)}")
     # the empty extra column (k already in the top-K) repeats k's own value, so the
     # duplicate index writes the same number and the scatter stays deterministic
     dup = on_support.gather(1, sup.k_col[:, None]).squeeze(1)
