@@ -144,7 +144,7 @@ def compare(
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML preset (a path, or a name in configs/)"),
     modes: str = typer.Option("grpo,dppo-topk-kl,pdm-topk-kl", "--modes", help="comma-separated mask modes"),
     seeds: int = typer.Option(1, "--seeds", help="RL seeds per mode (seed, seed+1, ...)"),
-    deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (sets delta_low = delta_high)"),
+    deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (both of the loss's thresholds)"),
     out: Optional[str] = typer.Option(None, "--out", help="output directory (default: out_dir/compare-<name>)"),
     jobs: int = typer.Option(1, "--jobs", help="runs in parallel (subprocesses; each uses `threads` threads)"),
     model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory or a named "

@@ -143,8 +143,8 @@ def _overrides(v, where: str) -> dict:
 
 
 def canonical_key(key: str) -> str:
-    """A config key in one spelling: a loss field as ``loss.<path>`` (``delta_low`` ->
-    ``loss.thresholds.delta_low``), any other key as it is."""
+    """A config key in one spelling: a loss field as ``loss.<path>`` (``is_cap`` ->
+    ``loss.corrections.is_cap``), any other key as it is."""
     path = loss_path(key)
     return key if path is None else f"loss.{path}"
 

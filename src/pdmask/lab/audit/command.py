@@ -315,9 +315,9 @@ def _run_workers(a: dict, d: Path, todo: list[int], jobs: int, console) -> None:
 
 
 def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperature, top_k, lag, divergence,
-            delta, delta_low, delta_high, estimator, step_mode, optimizer, lr, sample_tokens, disagreement_tokens,
+            delta, estimator, step_mode, optimizer, lr, sample_tokens, disagreement_tokens,
             instruments, isolated_step, logit_step, tie_tol, bootstrap, jobs, fresh, plots, progress,
-            delta_sweep="", fidelity_ks=FIDELITY_KS_ARG) -> dict:
+            delta_sweep="", fidelity_ks=FIDELITY_KS_ARG, delta_low=None, delta_high=None) -> dict:
     a = dict(locals())  # the arguments (first: nothing else is local yet)
     from rich.console import Console
 

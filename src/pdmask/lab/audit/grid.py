@@ -64,7 +64,7 @@ def grid_command(
     seed_offset: int = typer.Option(0, "--seed-offset", help="first seed"),
     precision: Optional[str] = typer.Option(None, "--precision", help="engine precision"),
     lag: int = typer.Option(0, "--lag", help="policy steps ahead of the engine"),
-    delta: Optional[float] = typer.Option(None, "--delta", help="delta_low = delta_high (default 0.05)"),
+    delta: Optional[float] = typer.Option(None, "--delta", help="the audit's delta, for A > 0 and A < 0 (default 0.05)"),
     lr: Optional[float] = typer.Option(None, "--lr", help="batch-step learning rate (default: the trainer's)"),
     sample_tokens: int = typer.Option(16, "--sample-tokens", help="uniform sample of O per seed (instruments)"),
     disagreement_tokens: int = typer.Option(-1, "--disagreement-tokens", help="disagreement tokens per seed (-1: all)"),
@@ -97,7 +97,7 @@ def _cell_args(a: dict, tied: bool, V: int, H: int) -> dict:
         over.append(f"sft_lr={cell_sft_lr(base, H)!r}")
     return dict(out=Path(a["out"]) / cell_name(tied, V, H), model="", config=a["config"], set_=over,
                 seeds=a["seeds"], seed_offset=a["seed_offset"], precision=a["precision"], temperature=None,
-                top_k=None, lag=a["lag"], divergence="topk_kl", delta=a["delta"], delta_low=None, delta_high=None,
+                top_k=None, lag=a["lag"], divergence="topk_kl", delta=a["delta"],
                 estimator="exact", step_mode="none", optimizer="adamw", lr=a["lr"],
                 sample_tokens=a["sample_tokens"], disagreement_tokens=a["disagreement_tokens"],
                 instruments=a["instruments"], isolated_step=1e-5, logit_step=1e-7, tie_tol=0.0,
