@@ -51,7 +51,8 @@ def _fp(**trainer):
 
 def _flat_without(*names) -> dict:
     """The trainer section of an older version: the flat config, without the fields ``names``."""
-    from pdmask.train.config import LOSS_ALIASES, TrainConfig
+    from pdmask.train.config import TrainConfig
+    from pdmask.train.loss_spec import LOSS_ALIASES
 
     cfg = TrainConfig()
     flat = {k: v for k, v in cfg.to_dict().items() if k != "loss"}

@@ -9,9 +9,9 @@ import pytest
 
 import pdmask
 from pdmask.train.config import (
-    FIELDS, LOSS_ALIASES, TrainConfig, comparable, config_diff, field_help, load_config, loss_leaves, parse_override,
-    replace, stored_config,
+    FIELDS, TrainConfig, comparable, config_diff, field_help, load_config, parse_override, replace, stored_config,
 )
+from pdmask.train.loss_spec import LOSS_ALIASES, loss_leaves
 
 ROOT = Path(__file__).resolve().parents[2]
 

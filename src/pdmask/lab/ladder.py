@@ -47,7 +47,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..train.config import TrainConfig, config_diff, is_config_key, load_config, loss_path, replace, stored_config
+from ..train.config import TrainConfig, config_diff, is_config_key, load_config, replace, stored_config
+from ..train.loss_spec import loss_path
 
 #: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
 LADDER_LOG = "ladder_log.jsonl"

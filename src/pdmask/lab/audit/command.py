@@ -147,7 +147,8 @@ def _with_new_defaults(old: dict, fp: dict) -> dict:
 
 def _audit_of_flat(old: dict) -> dict:
     """An audit section written before ``AuditConfig.loss`` (see :func:`_with_new_defaults`)."""
-    from ...train.config import LOSS_ALIASES, build_loss, loss_fields, resolved_fields, stored_loss
+    from ...train.config import stored_loss
+    from ...train.loss_spec import LOSS_ALIASES, build_loss, loss_fields, resolved_fields
     from .config import _finite
 
     given = {k: v for k, v in old.items() if k in LOSS_ALIASES}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..._validate import ESTIMATORS, check_choice
 from ...loss import PolicyLoss
 from ...masks import MODES, MaskMode, get_mode
-from ...train.config import build_loss, loss_fields, resolved_fields
+from ...train.loss_spec import build_loss, loss_fields, resolved_fields
 from ...train.update import ADAMW_BETAS, OPTIMIZERS
 from ..significance import DEFAULT_N_BOOT
 
