@@ -56,7 +56,7 @@ def _configs(a: dict):
                          "in the audit (the numbers are the same up to rounding); use loss_from=logits")
     # the trainer's whole loss spec, with the audit's step mode, headline estimator and O's deltas
     # (each side: --delta-low / --delta-high, else --delta, else the trainer's, else the divergence's)
-    deltas = tuple(a[k] if a[k] is not None else a["delta"] for k in ("delta_low", "delta_high"))
+    deltas = tuple(a.get(k) if a.get(k) is not None else a["delta"] for k in ("delta_low", "delta_high"))
     loss = audit_loss(tcfg.loss_fields, step_mode=a["step_mode"], estimator=a["estimator"], deltas=deltas,
                       divergence=a["divergence"])
     cfg = AuditConfig(
