@@ -6,7 +6,7 @@ one :class:`pdmask.PolicyLoss`.
 The loss's settings are the fields of :class:`pdmask.PolicyLoss` and of its specs, under
 ``loss``: a nested ``loss:`` mapping in YAML, dotted keys on the command line
 (``loss.mode=grpo``, ``loss.corrections.is_cap=3``). The short names of the flat config
-that came before (``mode``, ``delta_low``, ``is_cap``, ``temperature``, ``sampling_top_k``,
+that came before (``mode``, ``is_cap``, ``temperature``, ``sampling_top_k``,
 ...: :data:`pdmask.train.loss_spec.LOSS_ALIASES`, one table) are read too, so that the run directories written
 with them keep loading (resume, ``--prefix-of``, the ladder's cells, the report rebuilds).
 The spec is built once (:func:`pdmask.train.loss_spec.build_loss`) and every loss value is
@@ -359,7 +359,7 @@ def _unknown(key: str, where: str) -> ValueError:
 
 
 def is_config_key(key: str) -> bool:
-    """``key`` names a config field, a loss field (``loss.thresholds.delta_low``) or a short name."""
+    """``key`` names a config field, a loss field (``loss.corrections.is_cap``) or a short name."""
     return key in FIELDS or key in LOSS_ALIASES or key.startswith("loss.") and key[5:] in loss_leaves()
 
 
@@ -484,7 +484,7 @@ def load_config(path: str | Path | None = None, overrides: list | dict | None = 
 
 def replace(cfg: TrainConfig, changes: Mapping | None = None, **kw) -> TrainConfig:
     """A validated copy with ``changes`` (config keys as :func:`load_config` takes them,
-    ``loss.thresholds.delta_low`` or ``delta_low``; unknown keys raise like overrides)."""
+    ``loss.corrections.is_cap`` or ``is_cap``; unknown keys raise like overrides)."""
     over = [*(changes or {}).items(), *kw.items()]
     config_values(over, "overrides")
     vals = cfg.to_dict()
