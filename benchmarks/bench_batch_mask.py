@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import env_line, interleaved_times, summary  # noqa: E402
 
 import pdmask  # noqa: E402
-from pdmask.batchmask import batch_mask  # noqa: E402
+from pdmask.lab.batchmask import batch_mask  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 from pdmask.train.config import load_config  # noqa: E402
 from pdmask.train.model import build_model, num_params  # noqa: E402
@@ -56,7 +56,7 @@ def make_batch(model, cfg, B: int, P: int, T: int, seed: int = 0) -> dict:
     am[:, P:] = rmask
     with torch.no_grad():
         z = response_logits(model, ids, am, P).float()
-    logmu = torch.log_softmax((z + 0.3 * torch.randn(z.shape, generator=g)) / cfg.temperature, -1)
+    logmu = torch.log_softmax((z + 0.3 * torch.randn(z.shape, generator=g)) / cfg.loss.sampling.temperature, -1)
     top = logmu.topk(cfg.top_k, -1)
     adv = torch.randn(B, generator=g)
     return dict(input_ids=ids, attention_mask=am, response_mask=rmask,
@@ -85,19 +85,19 @@ def main(argv=None) -> None:
     batch = make_batch(model, cfg, B, P, T)
     rollout = pdmask.Rollout(batch["input_ids"][:, P:], batch["rollout_logprob"], batch["rollout_topk_ids"],
                              batch["rollout_topk_logprobs"], batch["response_mask"])
-    sampling = pdmask.Sampling(cfg.temperature)
+    sampling = cfg.loss.sampling
     ids, am, adv = batch["input_ids"], batch["attention_mask"], batch["advantages"]
     # delta at the 80th percentile of the top-K KL: ~20% of the tokens out of region (a
     # fresh model is near uniform, so the preset's delta would leave O empty)
     st = pdmask.token_stats(response_logits(model, ids, am, P).detach(), rollout, sampling=sampling)
     delta = float(st["topk_kl"][batch["response_mask"]].quantile(0.8))
-    kw = dict(temperature=cfg.temperature, is_cap=cfg.is_cap, delta_low=delta, delta_high=delta)
+    kw = dict(temperature=sampling.temperature, is_cap=cfg.loss.corrections.is_cap, delta_low=delta, delta_high=delta)
 
     def dppo():
         logits = response_logits(model, batch["input_ids"], batch["attention_mask"], P)
         out = pdmask.policy_loss(logits, rollout, adv, mode="dppo-topk-kl", validate=False,
                                  thresholds=pdmask.Thresholds(delta, delta), sampling=sampling,
-                                 corrections=pdmask.Corrections(is_cap=cfg.is_cap))
+                                 corrections=cfg.loss.corrections)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
 

@@ -181,7 +181,7 @@ class Phases:
 
     @contextlib.contextmanager
     def patched(self):
-        import pdmask.batchmask.mask as M
+        import pdmask.lab.batchmask.mask as M
 
         saved = [(M.dirl, "response_logits"), (M, "token_stats"), (M.pre, "precondition_"),
                  (M.dirl, "jvp_logprob"), (M, "jvp_top_logprob"), (torch.autograd, "grad")]
@@ -204,7 +204,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     from pdmask import Corrections, Sampling
     from pdmask.loss import policy_loss
     from pdmask.train.config import replace
-    from pdmask.train.update import batch_masker
+    from pdmask.lab.batchmask.trainer import batch_masker
     b = ro.batch
     idx = list(range(mb))
     from pdmask.train.update import select
@@ -212,7 +212,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     adv = ro.advantages[idx]
     if bool((adv == 0).all()):
         adv = torch.linspace(-1, 1, len(idx))
-    kw = dict(corrections=Corrections(is_cap=cfg.is_cap), sampling=Sampling(cfg.temperature), validate=False)
+    kw = dict(corrections=cfg.loss.corrections, sampling=cfg.loss.sampling, validate=False)
 
     def loss_of(logits, mode, extra):
         return policy_loss(logits, sub.rollout, adv, mode=mode, **extra, **kw)

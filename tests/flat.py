@@ -110,10 +110,10 @@ def mask_args(*args, **kw):
 
 
 def batch_mask(model, *args, **kw):
-    from pdmask.batchmask import batch_mask
-
     pos, rest = mask_args(*args, **kw)
-    return batch_mask(model, *pos, **rest)
+    from pdmask.lab.batchmask import batch_mask as lab_batch_mask
+
+    return lab_batch_mask(model, *pos, **rest)
 
 
 def call_mask(bm, *args, **kw):

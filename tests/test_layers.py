@@ -18,24 +18,30 @@ PKG = "pdmask"
 #: Top-level modules of the core (with the ``ops`` package and the package root, which
 #: re-exports the public API).
 CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "masks", "stats", "corrections", "loss"}
-#: Modules of the significance layer besides ``significance`` itself.
-SIGNIFICANCE_MODULES = {"power"}
+#: The library's layers; everything else (``pdmask.lab``) is the lab, and ``cli`` the front door.
+LIBRARY = {"core", "api", "formats", "engine", "train", "integrations"}
+#: The lab's layers (``pdmask.lab``): the library never imports them.
+LAB = {"significance", "batchmask", "experiments", "audit"}
+#: Modules of ``pdmask.lab`` (top level) in the significance layer; the others are experiments.
+SIGNIFICANCE_MODULES = {"significance", "power"}
 #: layer -> the layers it may import (itself included). docs/ARCHITECTURE.md.
-#: ``api`` is the package root (``import pdmask``: re-exports the core and the batch mask).
+#: ``api`` is the package root (``import pdmask``: re-exports the core).
 ALLOWED = {
     "core": {"core"},
-    "significance": {"significance"},
-    "batchmask": {"core", "batchmask"},
-    "api": {"core", "batchmask", "api"},
+    "api": {"core", "api"},
     "formats": {"core", "formats"},
     "engine": {"core", "formats", "engine"},
-    "train": {"api", "core", "batchmask", "significance", "engine", "formats", "train"},
-    "audit": {"api", "core", "batchmask", "significance", "train", "engine", "audit"},
+    "train": {"api", "core", "engine", "formats", "train"},
     "integrations": {"api", "core", "formats", "engine", "integrations"},
-    "cli": {"api", "core", "batchmask", "significance", "formats", "engine", "train", "audit", "integrations", "cli"},
+    "significance": {"significance"},
+    "batchmask": {"api", "core", "engine", "train", "batchmask"},
+    "experiments": {"api", "core", "engine", "formats", "train", "significance", "batchmask", "experiments"},
+    "audit": {"api", "core", "engine", "train", "significance", "batchmask", "experiments", "audit"},
+    "cli": LIBRARY | LAB | {"cli"},
 }
-SUBPACKAGE_LAYERS = {"ops": "core", "batchmask": "batchmask", "formats": "formats", "engine": "engine",
-                     "train": "train", "audit": "audit", "integrations": "integrations"}
+SUBPACKAGE_LAYERS = {"ops": "core", "formats": "formats", "engine": "engine", "train": "train",
+                     "integrations": "integrations"}
+LAB_SUBPACKAGE_LAYERS = {"batchmask": "batchmask", "audit": "audit"}
 
 
 # ------------------------------------------------------------------ the graph
@@ -144,10 +150,16 @@ def layer_of(module: str) -> str | None:
         return "api"
     if len(parts) == 2 and parts[1] in CORE_MODULES:
         return "core"
-    if len(parts) == 2 and parts[1] in ("cli", "significance"):
-        return parts[1]
-    if len(parts) == 2 and parts[1] in SIGNIFICANCE_MODULES:
-        return "significance"
+    if len(parts) == 2 and parts[1] == "cli":
+        return "cli"
+    if len(parts) >= 2 and parts[1] == "lab":
+        if len(parts) == 2:
+            return "experiments"  # the lab's package root
+        if parts[2] in LAB_SUBPACKAGE_LAYERS:
+            return LAB_SUBPACKAGE_LAYERS[parts[2]]
+        if len(parts) == 3:
+            return "significance" if parts[2] in SIGNIFICANCE_MODULES else "experiments"
+        return None
     return SUBPACKAGE_LAYERS.get(parts[1]) if len(parts) >= 2 else None
 
 
@@ -216,3 +228,49 @@ def test_no_import_cycle_anywhere():
 
 def test_every_layer_imports_only_what_it_may():
     assert layer_violations(import_graph()) == []
+
+
+# ------------------------------------------------------------------ the library and the lab
+def test_the_library_never_imports_the_lab():
+    """No module of the library (core, api, formats, engine, train, integrations) imports
+    any module of ``pdmask.lab``, eagerly or lazily: the lab is built on the library, never
+    the reverse."""
+    graph = import_graph()
+    assert {"pdmask.lab.audit.runner", "pdmask.lab.batchmask.mask", "pdmask.lab.ladder",
+            "pdmask.lab.significance"} <= {m for m in graph if layer_of(m) in LAB}
+    edges = [f"{m} -> {d}" for m, deps in sorted(graph.items()) if layer_of(m) in LIBRARY
+             for d in sorted(deps) if layer_of(d) in LAB]
+    assert edges == []
+
+
+def test_the_lab_check_catches_a_library_module_importing_the_lab(tmp_path):
+    """The check above can fail: a trainer module with a lazy import of the lab is caught."""
+    root = tmp_path / "src"
+    for d in ("pdmask/train", "pdmask/lab/batchmask"):
+        (root / d).mkdir(parents=True)
+        (root / d / "__init__.py").write_text("")
+    (root / "pdmask" / "__init__.py").write_text("")
+    (root / "pdmask" / "lab" / "__init__.py").write_text("")
+    (root / "pdmask" / "train" / "update.py").write_text("def f():\n    from ..lab.batchmask import mask\n")
+    (root / "pdmask" / "lab" / "batchmask" / "mask.py").write_text("")
+    g = import_graph(root, "pdmask")
+    assert g["pdmask.train.update"] == {"pdmask.lab.batchmask.mask"}
+    assert layer_violations(g) == ["pdmask.train.update -> pdmask.lab.batchmask.mask (layer train may not "
+                                   "import layer batchmask)"]
+
+
+def test_import_pdmask_loads_no_lab_module():
+    """``import pdmask`` (and the trainer, the engines, the formats) load nothing of
+    ``pdmask.lab``: measured in a fresh interpreter, on ``sys.modules``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pdmask, pdmask.train.grpo, pdmask.train.update, pdmask.engine, pdmask.formats; "
+            "print(sorted(m for m in sys.modules if m == 'pdmask.lab' or m.startswith('pdmask.lab.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(SRC)})
+    assert out.stdout.strip() == "[]"
+    probe = subprocess.run([sys.executable, "-c", "import sys, pdmask.lab.ladder; "
+                            "print('pdmask.lab.batchmask' in sys.modules)"], capture_output=True, text=True,
+                           check=True, env={**__import__("os").environ, "PYTHONPATH": str(SRC)})
+    assert probe.stdout.strip() == "True"  # the probe sees a lab import when there is one

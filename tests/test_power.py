@@ -1,4 +1,4 @@
-"""pdmask.power: the smallest paired difference a seed design detects, checked against the
+"""pdmask.lab.power: the smallest paired difference a seed design detects, checked against the
 sign-flip test it simulates and against the paired t-test's closed form for normal noise."""
 
 from __future__ import annotations
@@ -8,10 +8,20 @@ import math
 import numpy as np
 import pytest
 
-from pdmask.power import detectable_shift, power_at
-from pdmask.significance import sign_flip_test
+from pdmask.lab.power import _check, _PowerCurve, _prepare, detectable_shift
+from pdmask.lab.significance import sign_flip_test
 
 NORMAL = np.random.default_rng(1).normal(size=4000)
+
+
+def power_at(d, shift: float, *, n: int | None = None, alpha: float = 0.05, n_sim: int = 2000,
+             seed: int = 0) -> float:
+    """The share of simulated ``n``-seed designs (noise resampled from the centred ``d``,
+    true shift ``shift``) whose two-sided sign-flip p is ``<= alpha``: the curve
+    detectable_shift inverts, evaluated at one shift."""
+    d, n = _prepare(d, n)
+    _check(alpha, 0.5, n_sim)
+    return _PowerCurve(d - d.mean(), n, alpha, n_sim, seed)(float(shift))
 
 
 def test_normal_noise_sits_just_above_the_paired_t_answer():

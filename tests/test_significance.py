@@ -1,4 +1,4 @@
-"""pdmask.significance: hand-worked values, independent brute-force references, properties."""
+"""pdmask.lab.significance: hand-worked values, independent brute-force references, properties."""
 
 import itertools
 import math
@@ -10,12 +10,10 @@ np = pytest.importorskip("numpy")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pdmask.significance import (  # noqa: E402
+from pdmask.lab.significance import (  # noqa: E402
     binomial_test,
-    format_difference,
     format_interval,
     format_p,
-    format_pooled,
     format_rate,
     mcnemar_exact,
     min_sign_flip_p,
@@ -174,7 +172,8 @@ def test_pooled_and_per_seed_mean_disagree():
     # two clusters: resamples {0,0} -> 1, {0,1} -> 11/101, {1,1} -> 0.1, each at least
     # 1/4 of the time, so the 2.5% and 97.5% quantiles are 0.1 and 1.0
     assert (r.lo, r.hi) == (0.1, 1.0)
-    assert format_pooled(r) == "0.109 [0.100, 1.000] (101 tokens, 2 seeds)"
+    assert format_rate(r.estimate, r.lo, r.hi, n_units=r.den, n_seeds=r.n_clusters) == \
+        "0.109 [0.100, 1.000] (101 tokens, 2 seeds)"
 
 
 def test_pooled_ratio_bootstrap_equals_naive_loop():
@@ -205,7 +204,8 @@ def test_paired_ratio_difference_hand_worked():
     r = paired_ratio_difference([2, 1, 3], [10, 5, 15], [4, 2, 6], [10, 5, 15])
     assert r.estimate == pytest.approx(-0.2) and (r.a, r.b) == pytest.approx((0.2, 0.4))
     assert r.lo == pytest.approx(-0.2) and r.hi == pytest.approx(-0.2)
-    assert format_difference(r, p=mcnemar_exact(1, 9)) == "-0.200 [-0.200, -0.200], p = 0.0215 (3 seeds)"
+    assert (format_interval(r.estimate, r.lo, r.hi, sign=True), format_p(mcnemar_exact(1, 9))) == (
+        "-0.200 [-0.200, -0.200]", "p = 0.0215")
 
 
 def test_paired_ratio_difference_equals_naive_loop():
@@ -238,7 +238,7 @@ def test_formatting():
     assert format_rate(0.034, 0.02, 0.05, n_units=800, n_seeds=8, spec=".1%") == "3.4% [2.0%, 5.0%] (800 tokens, 8 seeds)"
     assert format_interval(1e-4, float("nan"), float("nan"), spec=".2e") == "1.00e-04 [n/a]"
     r = paired_difference([0.8, 0.75, 0.7, 0.77], [0.7, 0.7, 0.72, 0.7])
-    assert format_difference(r).endswith(", p = 0.25 (4 seeds)") and format_difference(r).startswith("+0.050 [")
+    assert format_p(r.p) == "p = 0.25" and format_interval(r.estimate, r.lo, r.hi, sign=True).startswith("+0.050 [")
 
 
 # ------------------------------------------------------------------ properties
@@ -289,7 +289,7 @@ def test_pooled_ratio_properties(rows):
 
 # ------------------------------------------------------------------ Clopper-Pearson
 def test_clopper_pearson_hand_worked():
-    from pdmask.significance import clopper_pearson
+    from pdmask.lab.significance import clopper_pearson
 
     # k = 0: lo = 0 and P(X = 0 | hi) = (1 - hi)^n = 0.025  ->  hi = 1 - 0.025^(1/n)
     lo, hi = clopper_pearson(0, 8)
@@ -305,7 +305,7 @@ def test_clopper_pearson_hand_worked():
 
 @pytest.mark.parametrize("k,n", [(1, 10), (4, 8), (3, 7), (6, 8), (17, 40)])
 def test_clopper_pearson_solves_its_defining_equations(k, n):
-    from pdmask.significance import clopper_pearson
+    from pdmask.lab.significance import clopper_pearson
 
     def cdf(j, p):  # P(X <= j), exact rationals of the binomial coefficients
         return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(j + 1))
@@ -319,7 +319,7 @@ def test_clopper_pearson_solves_its_defining_equations(k, n):
 
 
 def test_clopper_pearson_bad_input():
-    from pdmask.significance import clopper_pearson
+    from pdmask.lab.significance import clopper_pearson
 
     with pytest.raises(ValueError, match="k: must be <= n"):
         clopper_pearson(3, 2)

@@ -17,7 +17,7 @@ Public API (pure tensor functions taking a few typed objects):
 - :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry, with the
   building blocks of a mode: regions :func:`divergence_region`, :func:`ratio_region`;
   direction tests :func:`predictive`, :func:`ratio_sign`. The experimental batch-aware
-  modes register themselves when :mod:`pdmask.batchmask` is imported.
+  modes register themselves when :mod:`pdmask.lab.batchmask` is imported.
 - :func:`aggregate` — verl's loss aggregation modes; :func:`token_loss` — the surrogates.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its

@@ -127,7 +127,7 @@ def train(
     from rich.console import Console
 
     from .train.grpo import train as run_train
-    from .train.report import run_table
+    from .lab.report import run_table
 
     cfg = _load(config, overrides, model)
     console = _console()
@@ -144,7 +144,7 @@ def compare(
     config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML preset (a path, or a name in configs/)"),
     modes: str = typer.Option("grpo,dppo-topk-kl,pdm-topk-kl", "--modes", help="comma-separated mask modes"),
     seeds: int = typer.Option(1, "--seeds", help="RL seeds per mode (seed, seed+1, ...)"),
-    deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (sets delta_low = delta_high)"),
+    deltas: Optional[str] = typer.Option(None, "--deltas", help="comma-separated delta values to sweep (both of the loss's thresholds)"),
     out: Optional[str] = typer.Option(None, "--out", help="output directory (default: out_dir/compare-<name>)"),
     jobs: int = typer.Option(1, "--jobs", help="runs in parallel (subprocesses; each uses `threads` threads)"),
     model: Optional[str] = typer.Option(None, "--model", help="local Hugging Face model directory or a named "
@@ -158,16 +158,16 @@ def compare(
 
     summary.json / summary.md hold per-mode results over the seeds and, for every mode,
     the paired difference from --reference (seed-bootstrap interval, sign-flip p)."""
-    from .train.compare import run_compare
+    from .lab.compare import run_compare
 
     cfg = _load(config, overrides, model)
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
         from . import MODES
+        from ._validate import check_choice
 
         for m in mode_list:
-            if m not in MODES:
-                raise ValueError(f"modes: unknown mode {m!r}; valid modes are: {', '.join(MODES)}")
+            check_choice("modes", m, tuple(MODES))
         delta_list = None
         if deltas:
             try:
@@ -195,8 +195,8 @@ def report(
 
     The summary goes to RUN_DIR/summary.json and summary.md when a single directory of runs
     (a compare directory) is given (its other keys are kept), else next to the PNGs."""
-    from .train.report import find_runs, load_summaries, plot_runs, summary_table, write_summary
-    from .train.seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
+    from .lab.report import find_runs, load_summaries, plot_runs, summary_table, write_summary
+    from .lab.seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
 
     try:
         runs = find_runs(run_dirs)
@@ -230,7 +230,7 @@ def task_stats_command(
 ):
     """Before training: the task's accuracy, groups with A != 0, finish rate, the policy's
     tail beyond the top-K and each engine's top-K KL quantiles (what a delta is chosen from)."""
-    from .train.task_stats import task_stats, write_task_stats
+    from .lab.task_stats import task_stats, write_task_stats
 
     cfg = _load(config, overrides, model)
     console = _console()
@@ -260,7 +260,7 @@ def ladder(
     prefix_of: Optional[str] = typer.Option(
         None, "--prefix-of", help="another ladder's output directory: its finished runs that differ from a cell "
                                   "not started here only by more steps become that cell (their first `steps` "
-                                  "steps; exact, see pdmask.train.prefix) instead of running it"),
+                                  "steps; exact, see pdmask.lab.prefix) instead of running it"),
     plan: bool = typer.Option(False, "--plan", help="print every cell's status (done / partial / todo) and exit"),
     report_only: bool = typer.Option(False, "--report-only", help="rebuild the report without running anything"),
     report_dir: Optional[str] = typer.Option(
@@ -275,8 +275,8 @@ def ladder(
     ladder.json, ladder.png (accuracy and collapse rate vs measured mismatch) and per rung
     the across-seed summary with paired tests against the spec's reference mode; with
     --report-dir DIR, into DIR together with the runs' records (a results folder)."""
-    from .train.ladder import CellFailed, load_spec, plan_cells, run_ladder, statuses
-    from .train.ladder_report import build_report, export_records
+    from .lab.ladder import CellFailed, load_spec, plan_cells, run_ladder, statuses
+    from .lab.ladder_report import build_report, export_records
 
     try:
         if jobs < 1:
@@ -340,8 +340,8 @@ def model_command(
     typer.echo(resolve_model(name, cache_dir=cache_dir, console=Console(stderr=True)))
 
 
-# `pdmask audit`, `pdmask audit-grid`: the direction audit's commands (their options live in pdmask.audit.cli)
-from .audit.cli import register as _register_audit  # noqa: E402  (registered last: listed last in --help)
+# `pdmask audit`, `pdmask audit-grid`: the direction audit's commands (their options live in pdmask.lab.audit.cli)
+from .lab.audit.cli import register as _register_audit  # noqa: E402  (registered last: listed last in --help)
 
 _register_audit(app)
 

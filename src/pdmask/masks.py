@@ -5,7 +5,7 @@ for ``A > 0``, ``D > delta_low`` for ``A < 0``; ``grpo``: ``r`` outside ``[1 - e
 1 + eps_high]``) and its update is **outward** (:func:`outward`: ``A * direction > 0``, the
 direction ``log r`` for :func:`ratio_sign`, ``Ddot`` for :func:`predictive`). A mode is data,
 registered by name; its ``extras`` are per-token tensors the caller supplies
-(``policy_loss(..., extras=...)``; :mod:`pdmask.batchmask` registers its modes so).
+(``policy_loss(..., extras=...)``; :mod:`pdmask.lab.batchmask` registers its modes so).
 Surrogates (:func:`token_loss`; ``r = pi_k / mu_k``, ``delta`` by the sign of A)::
 
     dppo      -M sg(min(r, C)) A log pi_k                  C = is_cap   (DPPO, METHOD.md section 2)

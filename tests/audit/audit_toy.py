@@ -131,3 +131,20 @@ def llama_batch(model, engine, *, B: int = 3, P: int = 3, T: int = 5, K: int = 6
                       rollout=Rollout(seq[:, P:], lp, tk_ids, tk_lp, rmask, logits=z))
     A = torch.randn(B, generator=g, dtype=torch.float64)[:, None].expand(B, T).clone()
     return rb, torch.where(rmask, A, 0.0)
+
+
+# ------------------------------------------------------------------ settings
+def audit_config(*, step_mode: str = "none", delta_low=None, delta_high=None, temperature=None, loss_agg=None,
+                 is_cap=None, **kw):
+    """An :class:`pdmask.lab.audit.AuditConfig` from the audit's step settings written flat
+    (as the tests state them): the loss spec is :func:`pdmask.lab.audit.config.audit_loss`
+    of a trainer loss holding ``temperature``, ``loss_agg``, ``is_cap``, with ``step_mode``
+    and the deltas of O."""
+    from pdmask.lab.audit import AuditConfig, audit_loss
+
+    trainer = {"sampling": {"temperature": temperature}, "aggregation": {"loss_agg": loss_agg},
+               "corrections": {"is_cap": is_cap}}
+    trainer = {part: {k: v for k, v in d.items() if v is not None} for part, d in trainer.items()}
+    loss = audit_loss(trainer, step_mode=step_mode, estimator=kw.get("estimator", "exact"),
+                      deltas=(delta_low, delta_high), divergence=kw.get("divergence", "topk_kl"))
+    return AuditConfig(loss=loss, **kw)

@@ -16,9 +16,9 @@ import torch
 
 import pdmask
 
-from audit_toy import Bandit, bandit_forward
+from audit_toy import audit_config, Bandit, bandit_forward
 from tests.flat import token_stats
-from pdmask.audit import AuditConfig, audit_batch, classify, isolated_param_changes, logit_step_changes
+from pdmask.lab.audit import AuditConfig, audit_batch, classify, isolated_param_changes, logit_step_changes
 from pdmask.engine.base import RolloutBatch
 
 F64 = torch.float64
@@ -128,7 +128,7 @@ def test_audit_batch_on_independent_bandits_sgd():
     token step: with a small learning rate the batch step too agrees with the exact
     predictive sign on every token, while the ratio does not."""
     z_pi, z_mu, k, A, rb = random_bandits(N=200, V=6, K=6, seed=3)
-    cfg = AuditConfig(divergence="full_kl", delta_low=1e-3, delta_high=1e-3, optimizer="sgd", lr=1e-2,
+    cfg = audit_config(divergence="full_kl", delta_low=1e-3, delta_high=1e-3, optimizer="sgd", lr=1e-2,
                       sample_tokens=20, disagreement_tokens=20, isolated_step=1e-5, bootstrap=100,
                       fidelity_ks=(1, 6))
     model = Bandit(z_pi)

@@ -36,7 +36,7 @@ def test_cli_smoke(tmp_path, check_environment):
     for f in ("audit.json", "audit.md", "audit_tokens.npz", "rates.png", "fidelity.png", "scatter.png"):
         assert (out / f).stat().st_size > 0, f
     doc = json.loads((out / "audit.json").read_text())
-    assert doc["settings"]["audit"]["delta_low"] == 1e-4
+    assert doc["settings"]["audit"]["loss"]["thresholds"]["delta_low"] == 1e-4
     assert doc["settings"]["run"]["engine_precision"] == "fp8-bf16"
     assert len(doc["summary"]["per_seed"]) == 2
     assert doc["summary"]["per_seed"][0]["n_response_tokens"] > 0

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pdmask.audit.grid import grid_markdown, select_cells
+from pdmask.lab.audit.grid import grid_markdown, select_cells
 
 
 def test_cells_are_the_product_in_run_order():
@@ -40,27 +40,42 @@ def test_reproduce_line_names_the_cells_and_every_setting():
 
 
 def _fp(**trainer):
-    from pdmask.train.config import TrainConfig
+    """A fingerprint as the audit writes it today (the trainer section as ``comparable`` puts it)."""
+    from pdmask.lab.audit.command import _NEUTRAL_TRAIN_KEYS
+    from pdmask.train.config import comparable, load_config
 
-    t = {k: v for k, v in TrainConfig().to_dict().items()}
-    t.update(trainer)
+    t = {k: v for k, v in comparable(load_config(None, trainer).to_dict()).items() if k not in _NEUTRAL_TRAIN_KEYS}
     return json.loads(json.dumps({"audit": {"divergence": "topk_kl"}, "trainer": t, "model": "", "lag": 4},
                                  default=str))
 
 
+def _flat_without(*names) -> dict:
+    """The trainer section of an older version: the flat config, without the fields ``names``."""
+    from pdmask.train.config import TrainConfig
+    from pdmask.train.loss_spec import LOSS_ALIASES
+
+    cfg = TrainConfig()
+    flat = {k: v for k, v in cfg.to_dict().items() if k != "loss"}
+    for short, path in LOSS_ALIASES.items():
+        part, _, leaf = path.rpartition(".")
+        flat[short] = (cfg.loss_fields[part] if part else cfg.loss_fields)[leaf]
+    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in names}, default=str))
+
+
 def test_seeds_written_before_a_trainer_field_existed_resume_at_its_default(tmp_path):
     """A seed directory whose settings predate a trainer field (here: the off-policy
-    corrections) is resumed when the field is at its default, refused when it is not."""
-    from pdmask.audit.command import _seed_dir
+    corrections), in the flat version of the trainer config, is resumed when the field is
+    at its default, refused when it is not."""
+    from pdmask.lab.audit.command import _seed_dir
 
     new = _fp()
-    old = {**new, "trainer": {k: v for k, v in new["trainer"].items() if k not in ("is_level", "is_mask")}}
+    old = {**new, "trainer": _flat_without("is_level", "is_mask")}
     (tmp_path / "seeds").mkdir()
     (tmp_path / "seeds" / "settings.json").write_text(json.dumps(old))
     _seed_dir(tmp_path, new, fresh=False)
     assert json.loads((tmp_path / "seeds" / "settings.json").read_text()) == new  # rewritten in today's terms
     (tmp_path / "seeds" / "settings.json").write_text(json.dumps(old))
-    with pytest.raises(ValueError, match=r"trainer\.is_mask differ"):
+    with pytest.raises(ValueError, match=r"trainer\.loss\.corrections\.is_mask differ"):
         _seed_dir(tmp_path, _fp(is_mask=True), fresh=False)
     # a known field that changed is refused as before
     with pytest.raises(ValueError, match=r"trainer\.lr differ"):

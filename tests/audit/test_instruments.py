@@ -10,15 +10,31 @@ import pdmask
 
 pytest.importorskip("transformers")
 
-from audit_toy import llama_batch, perturbed, tiny_llama  # noqa: E402
+from audit_toy import audit_config, llama_batch, perturbed, tiny_llama  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
-from pdmask.audit import AuditConfig  # noqa: E402
-from pdmask.audit.instruments import (GROUPS, inner_products, optimizer_preconditioner, token_objectives,  # noqa: E402
-                                      total_inner_product)
-from pdmask.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
+from pdmask.lab.audit.instruments import (GROUPS, _dot, inner_products, optimizer_preconditioner,  # noqa: E402
+                                          token_objectives)
+from pdmask.lab.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 
 F64 = torch.float64
+
+
+def total_inner_product(model: torch.nn.Module, forward, rb, advantages: torch.Tensor, b: int, t: int,
+                        cfg, *, P: list | None = None) -> torch.Tensor:
+    """``<grad D_t, P grad L_t>`` over the model's own (tied) parameters, without any split:
+    the reference the group split is tested against."""
+    params = trainable(model)
+    rows = slice(b, b + 1)
+    z = forward(model, rb.sequences[rows], rb.attention_mask[rows], rb.prompt_len)[0, t]  # (V,)
+    D, logp = token_objectives(z, rb, b, t, cfg.divergence, cfg.temperature)
+    gD = torch.autograd.grad(D, params, allow_unused=True, retain_graph=True)
+    gL = torch.autograd.grad(advantages[b, t].to(logp.dtype) * logp, params, allow_unused=True)
+    tot = torch.zeros((), dtype=F64)
+    for i, (a, c) in enumerate(zip(gD, gL)):
+        if a is not None and c is not None:
+            tot = tot + _dot(a, c, None if P is None else P[i])
+    return tot
 TOKENS = torch.tensor([[0, 0], [0, 2], [1, 1], [2, 4]])  # two tokens of one sequence: the shared forward
 
 
@@ -26,7 +42,7 @@ def setup(tied, temperature=1.0, divergence="topk_kl"):
     model = copy_in(tiny_llama(tied=tied), F64)  # float64 throughout (transformers' RMSNorm upcasts to float32)
     engine = perturbed(model, 0.2)
     rb, A = llama_batch(model, engine, temperature=temperature)
-    return model, rb, A, AuditConfig(divergence=divergence, temperature=temperature, lr=1e-3, betas=(0.9, 0.99))
+    return model, rb, A, audit_config(divergence=divergence, temperature=temperature, lr=1e-3, betas=(0.9, 0.99))
 
 
 def warm_state(model, rb, steps=3):
@@ -46,7 +62,7 @@ def D_and_grad_L(model, rb, A, cfg, b, t):
     params = trainable(model)
     rows = slice(b, b + 1)
     st = rollout_stats(response_logits(model, rb.sequences[rows], rb.attention_mask[rows], rb.prompt_len), rb, rows,
-                       temperature=cfg.temperature)
+                       sampling=cfg.loss.sampling)
     g = torch.autograd.grad(A[b, t] * st["logp"][0, t], params)
     return params, g
 
@@ -57,7 +73,7 @@ def test_token_objectives_equal_token_stats(divergence, temperature):
     model, rb, A, cfg = setup(True, temperature, divergence)
     with torch.no_grad():
         z = response_logits(model, rb.sequences, rb.attention_mask, rb.prompt_len)
-    st = rollout_stats(z, rb, temperature=temperature)
+    st = rollout_stats(z, rb, sampling=cfg.loss.sampling)
     for b in range(z.shape[0]):
         for t in range(z.shape[1]):
             if not rb.response_mask[b, t]:
@@ -74,7 +90,7 @@ def D_at(model, rb, cfg, b, t):
     rows = slice(b, b + 1)
     with torch.no_grad():
         z = response_logits(model, rb.sequences[rows], rb.attention_mask[rows], rb.prompt_len)
-        return rollout_stats(z, rb, rows, temperature=cfg.temperature)[cfg.divergence][0, t]
+        return rollout_stats(z, rb, rows, sampling=cfg.loss.sampling)[cfg.divergence][0, t]
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from audit_toy import BigramLM, bigram_forward, perturbed, sample_batch
-from pdmask.audit import AuditConfig
-from pdmask.audit.loo import BatchStep, aggregation_weights
-from pdmask.audit.steps import batch_step, rollout_stats
+import pdmask
+
+from audit_toy import BigramLM, audit_config, bigram_forward, perturbed, sample_batch
+from pdmask.lab.audit.loo import BatchStep, aggregation_weights
+from pdmask.lab.audit.steps import batch_step, rollout_stats
 
 F64 = torch.float64
 
@@ -34,13 +35,13 @@ def toy():
 def _cfg(**kw):
     base = dict(divergence="topk_kl", optimizer="adamw", lr=1e-2, betas=(0.9, 0.99), grad_clip=0.5)
     base.update(kw)
-    return AuditConfig(**base)
+    return audit_config(**base)
 
 
 def _explicit_D(pol, rb, A, cfg, state):
     """D after one explicit float64 batch step (the audit's batch_step) with advantages A."""
     _, _, after = batch_step(pol, bigram_forward, rb, A, cfg, optimizer_state=state)
-    return rollout_stats(after, rb, temperature=cfg.temperature)[cfg.divergence]
+    return rollout_stats(after, rb, sampling=cfg.loss.sampling)[cfg.divergence]
 
 
 @pytest.mark.parametrize("loss_agg,step_mode", [("token-mean", "none"), ("seq-mean-token-mean", "pdm-topk-kl"),
@@ -78,9 +79,9 @@ def test_own_effect_equals_two_explicit_steps(toy, loss_agg, step_mode):
 def test_aggregation_weights_hand_values():
     m = torch.tensor([[True, True, True, False], [True, False, False, False]])
     # token-mean: 1/4 on each of the 4 response tokens
-    assert aggregation_weights(m, "token-mean").tolist() == [[0.25, 0.25, 0.25, 0.0], [0.25, 0.0, 0.0, 0.0]]
+    assert aggregation_weights(m, pdmask.Aggregation("token-mean")).tolist() == [[0.25, 0.25, 0.25, 0.0], [0.25, 0.0, 0.0, 0.0]]
     # seq-mean-token-mean: 1/(n_b * 2): 1/6 in row 0, 1/2 in row 1
-    w = aggregation_weights(m, "seq-mean-token-mean")
+    w = aggregation_weights(m, pdmask.Aggregation("seq-mean-token-mean"))
     torch.testing.assert_close(w, torch.tensor([[1 / 6, 1 / 6, 1 / 6, 0], [0.5, 0, 0, 0]], dtype=F64))
 
 

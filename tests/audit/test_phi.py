@@ -1,4 +1,4 @@
-"""The batch-mask evaluation (pdmask.audit.phi): the leave-one-out difference is two
+"""The batch-mask evaluation (pdmask.lab.audit.phi): the leave-one-out difference is two
 explicit steps, the matched-fraction selection picks the top-m of O, the summary pools."""
 
 import copy
@@ -10,7 +10,8 @@ import pdmask
 
 pytest.importorskip("transformers", reason="the evaluation builds a transformers model")
 
-from pdmask.audit.phi import PhiSettings, PhiStep, copy64, main, sign_counts, summarize, top_m  # noqa: E402
+from pdmask.lab.audit.phi import PhiSettings, PhiStep, copy64, main, top_m  # noqa: E402
+from pdmask.lab.audit.phi_report import sign_counts, summarize  # noqa: E402
 from pdmask.engine.hf import HFEngine, response_logits  # noqa: E402
 from tests.flat import policy_loss  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
@@ -47,14 +48,13 @@ def _explicit_phi(model, rb, adv_bt, cfg, state, O, divergence="topk_kl"):
     logits = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
     r = rb.rollout.replace(sampled_logprob=rb.rollout.sampled_logprob.double(),
                            topk_logprobs=rb.rollout.topk_logprobs.double(), logits=None)
-    pdmask.policy_loss(logits, r, adv_bt, mode="none", corrections=pdmask.Corrections(is_cap=cfg.is_cap),
-                       aggregation=pdmask.Aggregation(cfg.loss_agg),
-                       sampling=pdmask.Sampling(cfg.temperature)).loss.backward()
+    pdmask.policy_loss(logits, r, adv_bt, mode="none", corrections=cfg.loss.corrections,
+                       aggregation=cfg.loss.aggregation, sampling=cfg.loss.sampling).loss.backward()
     torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
     opt.step()
     with torch.no_grad():
         z = response_logits(m, rb.sequences, rb.attention_mask, rb.prompt_len)
-    D = pdmask.token_stats(z, r, sampling=pdmask.Sampling(cfg.temperature))[divergence]
+    D = pdmask.token_stats(z, r, sampling=cfg.loss.sampling)[divergence]
     return float((D * O).sum())
 
 
@@ -133,7 +133,7 @@ def length_parity(text: str, answer: str) -> float:
 
 
 def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
-    """``python -m pdmask.audit.phi`` on a tiny built-in model with lag steps (warm AdamW):
+    """``python -m pdmask.lab.audit.phi`` on a tiny built-in model with lag steps (warm AdamW):
     phi.json / phi.md written; a rerun reuses the finished seeds; bad settings: one line."""
     over = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2",
             "train_size=300", "eval_size=8", "sft_steps=0", "prompts_per_step=2", "group_size=4",

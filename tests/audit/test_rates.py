@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pdmask.audit.criteria import out_of_region
-from pdmask.audit.rates import classify, classify_seed, rate
+from pdmask.lab.audit.rates import classify, classify_seed, rate
+from pdmask.masks import Thresholds, divergence_region
 
 # Eight tokens. Columns: A, D, log r (ratio criterion), Ddot (predictive), dD (realized).
 #   tok  A    D     log r  Ddot   dD     ratio says        predictive says
@@ -25,15 +25,20 @@ DD = torch.tensor([0.01, -0.02, -0.01, -0.03, 0.02, 0.04, 0.0, 0.05, 0.05], dtyp
 VALID = torch.ones(9, dtype=torch.bool)
 
 
+def out_of_region(dl, dh):
+    """The audit's O: the masks' divergence region (what the audit's runner uses)."""
+    return divergence_region("topk_kl")({"topk_kl": D}, A, Thresholds(dl, dh)) & VALID
+
+
 def region():
-    return out_of_region(D, A, VALID, delta_low=0.05, delta_high=0.05)
+    return out_of_region(0.05, 0.05)
 
 
 def test_out_of_region_hand_example():
     # tokens 0..6 are out (D > 0.05, A != 0); 7 has A = 0; 8 has D = 0.04 <= 0.05
     assert region().tolist() == [True] * 7 + [False, False]
     # delta by the sign of A: raising delta_low to 0.45 drops tokens 3 (0.40) and 4 (0.10), keeps 5 (0.50)
-    r = out_of_region(D, A, VALID, delta_low=0.45, delta_high=0.05)
+    r = out_of_region(0.45, 0.05)
     assert r.tolist() == [True, True, True, False, False, True, True, False, False]
 
 

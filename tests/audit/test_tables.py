@@ -4,8 +4,8 @@ every table recomputable from the per-token records."""
 import numpy as np
 import pytest
 
-from pdmask.audit.report import rate_table, summary_table
-from pdmask.audit.tables import disagreement, tables
+from pdmask.lab.audit.report import rate_table, summary_table
+from pdmask.lab.audit.tables import disagreement, tables
 
 
 def records(rows):

@@ -5,7 +5,8 @@ import torch
 
 from tests import flat  # noqa: E402
 
-from pdmask.batchmask import batch_mask, decoder_parts, select_params
+from pdmask.lab.batchmask import batch_mask, select_params
+from pdmask.train.trainable import decoder_parts
 
 from .helpers import TinyLM, make_batch, per_token_oracle, tiny_llama
 

@@ -124,20 +124,22 @@ def test_is_cap_kept_where_it_means_something():
 # ------------------------------------------------------------------ the trainer config and CLI
 def test_trainer_config_refuses_is_cap_without_is_weight():
     pytest.importorskip("yaml")
-    from pdmask.train.config import config_diff, effective_is_cap, load_config
+    from pdmask.train.config import config_diff, load_config
 
     with pytest.raises(ValueError, match=r"^is_cap: bounds the IS weight, and is_level=None"):
         load_config(None, ["is_level=null", "is_cap=1.01"])
     cfg = load_config(None, ["is_level=null"])
-    assert cfg.is_cap is None and effective_is_cap(cfg) == 5.0
-    assert load_config(None, ["mode=grpo", "dual_clip=10", "is_mask=true", "is_floor=0.5", "is_cap=3"]).dual_clip == 10
+    assert cfg.loss_fields["corrections"]["is_cap"] is None and cfg.loss.corrections.is_cap == 5.0
+    grpo = load_config(None, ["mode=grpo", "dual_clip=10", "is_mask=true", "is_floor=0.5", "is_cap=3"])
+    assert grpo.loss.thresholds.dual_clip == 10
     with pytest.raises(ValueError, match=r"^dual_clip: applies to the ppo-clip surrogate"):
         load_config(None, ["mode=dppo-topk-kl", "dual_clip=10"])
     # a run stored before the null default wrote is_cap: 5.0 and no dual_clip: the same config
-    stored = {**load_config(None).to_dict(), "is_cap": 5.0}
-    stored.pop("dual_clip")
+    stored = load_config(None).to_dict()
+    stored["loss"]["corrections"]["is_cap"] = 5.0
+    stored["loss"]["thresholds"].pop("dual_clip")
     assert config_diff(stored, load_config(None)) == {}
-    assert "is_cap" in config_diff({**stored, "is_cap": 3.0}, load_config(None))
+    assert "loss.corrections.is_cap" in config_diff({**stored, "is_cap": 3.0}, load_config(None))
 
 
 def test_cli_refuses_is_cap_without_is_weight_in_one_line(tmp_path):

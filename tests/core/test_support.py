@@ -262,14 +262,14 @@ def test_support_refused_where_it_cannot_apply():
 
 
 def test_trainer_config_carries_the_support():
-    from pdmask.train.config import TrainConfig, loss_spec
+    from pdmask.train.config import TrainConfig, load_config
 
-    assert loss_spec(TrainConfig(mode="dppo-topk-kl", support=TOPK)).support == TOPK
-    assert TrainConfig().support == "topk+sampled"
+    assert TrainConfig(loss={"mode": "dppo-topk-kl", "support": TOPK}).loss.support == TOPK
+    assert TrainConfig().loss.support == "topk+sampled"
     with pytest.raises(ValueError, match=r"^support: unknown value 'x'; valid values are: topk\+sampled, topk$"):
-        TrainConfig(support="x").validate()
-    with pytest.raises(ValueError, match=r"^support: mode 'pdm-batch-topk-kl'"):
-        TrainConfig(mode="pdm-batch-topk-kl", support=TOPK).validate()
+        load_config(None, ["support=x"])
+    with pytest.raises(ValueError, match=r"^loss.support: mode 'pdm-batch-topk-kl'"):
+        load_config(None, ["loss.mode=pdm-batch-topk-kl", f"loss.support={TOPK}"])
 
 
 def test_default_support_unchanged_by_the_option():

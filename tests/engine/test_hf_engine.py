@@ -188,7 +188,9 @@ def test_shared_prefill_is_refused_outside_the_hf_engine():
 
     from pdmask.engine.registry import build_engine
 
-    cfg = SimpleNamespace(engine="vllm", engine_share_prefill=True, engine_precision="fp32", temperature=1.0,
-                          top_k=5, sampling_top_k=None, sampling_top_p=None, sampling_min_p=None)
+    from pdmask.ops import Sampling
+
+    cfg = SimpleNamespace(engine="vllm", engine_share_prefill=True, engine_precision="fp32", top_k=5,
+                          loss=SimpleNamespace(sampling=Sampling(temperature=1.0)))
     with pytest.raises(ValueError, match="^engine_share_prefill: built into the hf engine only"):
         build_engine(cfg, None, SimpleNamespace(eos_token_id=1, pad_token_id=0))

@@ -117,12 +117,13 @@ def test_trainer_applies_trls_vllm_correction(tmp_path, mode_kw):
     policy_loss with the mapped keywords, and the correction bites."""
     args = dict(mask_mode="dppo-topk-kl", rollout_top_k=3, learning_rate=0.2, max_steps=4, steps_per_generation=4)
     H.config(tmp_path, **args, **VLLM, **mode_kw)  # accepted with use_vllm=True
-    # a real use_vllm=True would start vLLM: build without it, then switch the fake vLLM in and set
-    # the options on the trainer's args (the loss reads them at every step)
+    # a real use_vllm=True would start vLLM: build without it, then switch the fake vLLM in, set
+    # the options on the trainer's args and rebuild its loss spec from them (built once, at init)
     tr = _vllm_trainer(tmp_path, **args)
     tr.args.use_vllm = True
     for k, v in mode_kw.items():
         setattr(tr.args, k, v)
+    tr._pdmask_loss = options.loss_spec(tr.args)
     assert options.vllm_is_on(tr.args)
     tr.train()
     assert len(tr.records) == 4

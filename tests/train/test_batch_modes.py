@@ -9,10 +9,10 @@ import torch
 
 import pdmask
 
-from pdmask.batchmask import batch_mask
+from pdmask.lab.batchmask import batch_mask
 from pdmask.engine.hf import HFEngine, response_logits
 from tests.flat import policy_loss
-from pdmask.train.config import effective_is_cap, load_config, replace
+from pdmask.train.config import load_config, replace
 from pdmask.train.grpo import TIME_KEYS, train
 from pdmask.train.logging import read_jsonl
 from pdmask.train.model import build_model
@@ -44,9 +44,10 @@ def setup():
 def _reference(model, opt, batch, adv, cfg, params):
     """batch_mask on its own forward (not shared), with the settings the mode implies."""
     return batch_mask(model, batch.sequences, batch.attention_mask, batch.rollout, adv, params=params, optimizer=opt,
-                      divergence="topk_tv" if cfg.mode.endswith("tv") else "topk_kl",
-                      scope="all" if "-all-" in cfg.mode else "region", delta_low=cfg.delta_low,
-                      delta_high=cfg.delta_high, temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
+                      divergence="topk_tv" if cfg.loss.mode.endswith("tv") else "topk_kl",
+                      scope="all" if "-all-" in cfg.loss.mode else "region", delta_low=cfg.loss.thresholds.delta_low,
+                      delta_high=cfg.loss.thresholds.delta_high, temperature=cfg.loss.sampling.temperature,
+                      is_cap=cfg.loss.corrections.is_cap)
 
 
 @pytest.mark.parametrize("params", ["all", "1"])
@@ -73,8 +74,8 @@ def test_the_loss_applies_batch_masks_mask_on_the_shared_forward(setup, mode, pa
     out.loss.backward()
     plain = copy.deepcopy(model0)
     logits = response_logits(plain, batch.sequences, batch.attention_mask, batch.prompt_len)
-    pdmask.policy_loss(logits, batch.rollout, adv, corrections=pdmask.Corrections(is_cap=cfg.is_cap),
-                       sampling=pdmask.Sampling(cfg.temperature), **ref.loss_kwargs()).loss.backward()
+    pdmask.policy_loss(logits, batch.rollout, adv, corrections=cfg.loss.corrections,
+                       sampling=cfg.loss.sampling, **ref.loss_kwargs()).loss.backward()
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
@@ -92,8 +93,8 @@ def test_update_step_uses_the_optimizer_state_before_its_own_step(setup):
     ref = _reference(b, opt_b, batch, adv, cfg, "all")
     assert torch.equal(out.mask, ref.mask) and int(ref.metrics["num_masked"]) > 0
     logits = response_logits(b, batch.sequences, batch.attention_mask, batch.prompt_len)
-    pdmask.policy_loss(logits, batch.rollout, adv, corrections=pdmask.Corrections(is_cap=cfg.is_cap),
-                       sampling=pdmask.Sampling(cfg.temperature), **ref.loss_kwargs()).loss.backward()
+    pdmask.policy_loss(logits, batch.rollout, adv, corrections=cfg.loss.corrections,
+                       sampling=cfg.loss.sampling, **ref.loss_kwargs()).loss.backward()
     torch.nn.utils.clip_grad_norm_(b.parameters(), cfg.grad_clip)
     opt_b.step()
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):

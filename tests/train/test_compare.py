@@ -2,8 +2,8 @@
 
 import json
 
-from pdmask.train.compare import plan_runs
-from pdmask.train.config import load_config
+from pdmask.lab.compare import plan_runs
+from pdmask.train.config import comparable, load_config
 from pdmask.train.logging import read_jsonl
 
 
@@ -16,11 +16,12 @@ def test_plan_runs_modes_seeds_deltas():
                      "pdm-topk-kl-s3-d0.05", "pdm-topk-kl-s4-d0.05", "dppo-topk-kl-s3-d0.15",
                      "dppo-topk-kl-s4-d0.15", "pdm-topk-kl-s3-d0.15", "pdm-topk-kl-s4-d0.15"]
     d = {r.run_name: r for r in runs}
-    assert d["pdm-topk-kl-s4-d0.15"].delta_low == d["pdm-topk-kl-s4-d0.15"].delta_high == 0.15
-    assert d["grpo-s3"].delta_high is None and all(r.out_dir == "out" for r in runs)
+    th = d["pdm-topk-kl-s4-d0.15"].loss.thresholds
+    assert th.delta_low == th.delta_high == 0.15
+    assert d["grpo-s3"].loss_fields["thresholds"]["delta_high"] is None and all(r.out_dir == "out" for r in runs)
     # identical data: everything but mode/seed/delta/name is shared
-    skip = {"mode", "seed", "name", "delta_low", "delta_high"}
-    a, b = runs[2].to_dict(), runs[-1].to_dict()
+    skip = {"loss.mode", "seed", "name", "loss.thresholds.delta_low", "loss.thresholds.delta_high"}
+    a, b = comparable(runs[2].to_dict()), comparable(runs[-1].to_dict())
     assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
 
 

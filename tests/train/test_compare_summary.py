@@ -6,7 +6,7 @@ import json
 import pytest
 from compare_toy import make_compare_dir, runs_of, write_run
 
-from pdmask.train.seed_summary import DETECTABLE_HEADER, resolution_note, run_scalars, seed_markdown, seed_summary
+from pdmask.lab.seed_summary import DETECTABLE_HEADER, resolution_note, run_scalars, seed_markdown, seed_summary
 
 
 @pytest.fixture

@@ -10,8 +10,10 @@ import torch
 from pdmask.engine.hf import HFEngine
 from pdmask.engine.registry import build_engine
 from pdmask.ops import sampling_kept_mask
-from pdmask.train.config import corrections, load_config
-from pdmask.train.grpo import compute_loss
+import pdmask.lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes' trainer forward)
+from pdmask.ops import Sampling
+from pdmask.train.config import load_config
+from pdmask.train.update import compute_loss
 from pdmask.train.model import build_model
 
 SMALL = ["hidden_size=32", "num_layers=2", "num_heads=4", "intermediate_size=64", "temperature=0.8",
@@ -28,7 +30,8 @@ def model():
 
 
 def rollouts(model, **trunc):
-    eng = HFEngine(model, eos_id=1, pad_id=0, precision="fp32", temperature=0.8, top_k_logprobs=20, **trunc)
+    sampling = Sampling(temperature=0.8, **{k[9:]: v for k, v in trunc.items()})  # sampling_top_p -> top_p
+    eng = HFEngine(model, eos_id=1, pad_id=0, precision="fp32", temperature=0.8, top_k_logprobs=20, sampling=sampling)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 97, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (8,), generator=g)]
     return eng, eng.generate(prompts, max_new_tokens=10, seed=0)
@@ -74,13 +77,13 @@ def test_corrections_reach_the_loss(model):
     for key in ("masked_frac_is", "masked_frac_rs_token_k3", "masked_frac_rs_seq_mean_k2", "masked_frac_opsm",
                 "masked_frac_correction"):
         assert key in out.metrics, key
-    assert corrections(cfg).rejection == "token_k3,seq_mean_k2"
+    assert cfg.loss.corrections.rejection == "token_k3,seq_mean_k2"
 
 
 def test_config_fields_and_errors():
     c = load_config(None, ["rejection=seq_mean_k1", "rejection_threshold=0.99_1.01", "is_level=null"])
-    assert c.is_level is None and corrections(c).rejection_threshold == "0.99_1.01"
-    assert corrections(load_config(None, [])).rejection is None
+    assert c.loss.corrections.is_level is None and c.loss.corrections.rejection_threshold == "0.99_1.01"
+    assert load_config(None, []).loss.corrections.rejection is None
     for over, msg in [
         (["is_level=seq"], r"^is_level: unknown value"),
         (["rejection=token_k9", "rejection_threshold=1"], r"^rejection: unknown value 'token_k9'"),

@@ -8,7 +8,8 @@ import pdmask
 from pdmask.engine.base import RolloutBatch
 from pdmask.engine.hf import HFEngine
 from pdmask.train.config import load_config
-from pdmask.train.grpo import compute_loss, select, step_prompts
+from pdmask.train.grpo import step_prompts
+from pdmask.train.update import compute_loss, select
 from pdmask.train.model import build_model
 
 

@@ -7,7 +7,7 @@ import torch
 
 from pdmask.engine.hf import HFEngine
 from pdmask.train.config import load_config
-from pdmask.train.grpo import compute_loss
+from pdmask.train.update import compute_loss
 from pdmask.train.model import build_model, num_params
 
 

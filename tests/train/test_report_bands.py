@@ -5,8 +5,8 @@ import json
 import pytest
 from compare_toy import REF, make_compare_dir, runs_of
 
-from pdmask.train.report import eval_bands, plot_curve_bands, plot_eval_bands, summary_markdown
-from pdmask.train.seed_summary import seed_markdown, seed_summary, seed_tables
+from pdmask.lab.report import eval_bands, plot_curve_bands, plot_eval_bands, summary_markdown
+from pdmask.lab.seed_summary import seed_markdown, seed_summary, seed_tables
 
 
 @pytest.fixture

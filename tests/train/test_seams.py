@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import pdmask
+
 from pdmask.engine import build_engine
 from pdmask.engine.hf import HFEngine
 from pdmask.train.checkpoint import is_run_dir, load_checkpoint, load_weights, save_checkpoint
@@ -52,9 +54,10 @@ def test_build_engine_reads_the_config(parts):
     assert isinstance(eng, HFEngine)
     assert (eng.precision, eng.temperature, eng.top_k_logprobs, eng.eos_id, eng.pad_id) == ("bf16", 0.8, 7, 1, 0)
     assert next(eng.model.parameters()).dtype == torch.bfloat16
-    # any object with the four engine fields will do (no TrainConfig needed)
-    fields = SimpleNamespace(engine="nope", engine_precision="fp32", temperature=1.0, top_k=3)
-    with pytest.raises(ValueError, match="engine: unknown backend 'nope'; valid values are: hf"):
+    # any object with the engine fields and a loss's sampling will do (no TrainConfig needed)
+    fields = SimpleNamespace(engine="nope", engine_precision="fp32", top_k=3,
+                             loss=SimpleNamespace(sampling=pdmask.Sampling(temperature=1.0)))
+    with pytest.raises(ValueError, match="engine: unknown value 'nope'; valid values are: hf"):
         build_engine(fields, model, Tok())
 
 

@@ -7,7 +7,7 @@ import torch
 import pdmask
 from pdmask.engine.hf import HFEngine, response_logits
 from pdmask.train.config import load_config
-from pdmask.train.grpo import compute_loss
+from pdmask.train.update import compute_loss
 from pdmask.train.model import build_model
 
 
@@ -41,13 +41,14 @@ def test_trainer_loss_is_the_core_loss(setup, over):
     g = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits = response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)
-    th = pdmask.Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
-    corr = pdmask.Corrections(is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_floor=cfg.is_floor)
-    ref = pdmask.policy_loss(logits, batch.rollout, adv, mode=cfg.mode, thresholds=th, corrections=corr,
-                             sampling=pdmask.Sampling(cfg.temperature))
+    f = cfg.loss_fields  # the config's values, built into specs here independently of the trainer
+    th = pdmask.Thresholds(**f["thresholds"])
+    corr = pdmask.Corrections(**f["corrections"])
+    ref = pdmask.policy_loss(logits, batch.rollout, adv, mode=f["mode"], thresholds=th, corrections=corr,
+                             sampling=pdmask.Sampling(f["sampling"]["temperature"]))
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-8)
     for a, p in zip(g, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
-    if cfg.mode != "grpo":
+    if cfg.loss.mode != "grpo":
         assert float(out.metrics["masked_frac"]) == 0.0 and float(out.metrics["corrective_frac"]) > 0

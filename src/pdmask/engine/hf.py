@@ -11,9 +11,9 @@ Sampling distribution at every step: ``mu = softmax(z.float() / temperature)`` w
 same float32 ``log_softmax``, so the top-K log-probs equal
 ``log_softmax(logits / T)`` at the top-K ids exactly (tested).
 
-Truncated sampling (``sampling_top_k`` / ``sampling_top_p`` / ``sampling_min_p``, vLLM's
-rules and order, :func:`pdmask.ops.sampling_kept_mask`): ``mu`` is renormalised over the
-kept set before sampling, and the reported log-probs are those of the renormalised
+Truncated sampling (``sampling``: a :class:`pdmask.Sampling` with ``top_k`` / ``top_p`` /
+``min_p``, vLLM's rules and order, :func:`pdmask.ops.sampling_kept_mask`): ``mu`` is
+renormalised over the kept set before sampling, and the reported log-probs are those of the renormalised
 distribution (vLLM's ``processed_logprobs``; top-K entries beyond the kept set are -inf).
 The loss must then get the same parameters (it renormalises pi over the same rule).
 
@@ -67,6 +67,43 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def truncation(sampling: Sampling | None, temperature: float) -> Sampling | None:
+    """The truncation in force (None: none), checked against the engine's ``temperature``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    if sampling is None:
+        return None
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling: must be a pdmask.Sampling (or None), got {type(sampling).__name__}")
+    if sampling.temperature != float(temperature):
+        raise ValueError(f"sampling: its temperature {sampling.temperature} is not the engine's temperature "
+                         f"{float(temperature)}; give the same one")
+    return sampling if sampling.truncated else None
+
+
+def prefill(model, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor, pad_id: int,
+            share_prefill: bool) -> tuple[torch.Tensor, dict]:
+    """The prompt forward: ``(last logits (B, 1, V), {cache keyword: the KV cache})``.
+
+    ``share_prefill``: one forward per *distinct* prompt, its KV cache copied to every row
+    that repeats it (see :func:`sample`)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kv = {cache_kwarg(model): cache}  # the same cache object is extended by every call
+    if share_prefill:
+        first: dict[tuple, int] = {}
+        index = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=ids.device)  # (B,)
+        u_ids, u_attn = left_pad([list(p) for p in first], pad_id, ids.device)  # (U, P): the longest is among them
+        out = model(input_ids=u_ids, attention_mask=u_attn.long(), position_ids=position_ids(u_attn),
+                    use_cache=True, logits_to_keep=1, **kv)
+        cache.batch_select_indices(index)  # (U, ...) -> (B, ...) rows of the KV cache
+        return out.logits[index], kv
+    out = model(input_ids=ids, attention_mask=attn.long(), position_ids=position_ids(attn),
+                use_cache=True, logits_to_keep=1, **kv)
+    return out.logits, kv
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -80,9 +117,7 @@ def sample(
     seed: int = 0,
     greedy: bool = False,
     return_logits: bool = False,
-    sampling_top_k: int | None = None,
-    sampling_top_p: float | None = None,
-    sampling_min_p: float | None = None,
+    sampling: Sampling | None = None,
     share_prefill: bool = False,
 ) -> RolloutBatch:
     """Batched sampling with a KV cache; returns a :class:`RolloutBatch`.
@@ -95,37 +130,20 @@ def sample(
 
     A response ends at (and includes) its first ``eos_id``; later slots hold
     ``pad_id`` with ``response_mask`` False. ``greedy`` takes the argmax (log-probs are
-    still those of ``softmax(z / temperature)``). ``sampling_*`` truncate the sampling
-    distribution (module docstring; 0 / 1 / 0 or None: off).
+    still those of ``softmax(z / temperature)``). ``sampling``: the truncation of the
+    sampling distribution (module docstring; None or one that truncates nothing: off); its
+    temperature must be ``temperature``.
     """
-    from transformers import DynamicCache
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature: must be > 0, got {temperature}")
-    trunc = Sampling(top_k=sampling_top_k, top_p=sampling_top_p, min_p=sampling_min_p)
-    trunc = trunc if trunc.truncated else None
+    trunc = truncation(sampling, temperature)
     dev = next(model.parameters()).device
     V = model.get_output_embeddings().weight.shape[0]
     K = min(top_k_logprobs, V)
     ids, attn = left_pad(prompts, pad_id, dev)  # (B, P)
     B, P = ids.shape
     gen = torch.Generator(device=dev).manual_seed(int(seed))
-    cache = DynamicCache()
-    kv = {cache_kwarg(model): cache}  # the same cache object is extended by every call
-    if share_prefill:
-        first: dict[tuple, int] = {}
-        index = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], device=dev)  # (B,)
-        u_ids, u_attn = left_pad([list(p) for p in first], pad_id, dev)  # (U, P): the longest prompt is among them
-        out = model(input_ids=u_ids, attention_mask=u_attn.long(), position_ids=position_ids(u_attn),
-                    use_cache=True, logits_to_keep=1, **kv)
-        cache.batch_select_indices(index)  # (U, ...) -> (B, ...) rows of the KV cache
-        last = out.logits[index]
-    else:
-        out = model(input_ids=ids, attention_mask=attn.long(), position_ids=position_ids(attn),
-                    use_cache=True, logits_to_keep=1, **kv)
-        last = out.logits
+    last, kv = prefill(model, prompts, ids, attn, pad_id, share_prefill)
     pos = attn.long().sum(-1) - 1  # (B,) position of the last prompt token
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     toks, masks, lps, tk_ids, tk_lps, raw = [], [], [], [], [], []
@@ -217,24 +235,19 @@ class HFEngine(RolloutEngine):
         precision: ``fp32 | bf16 | fp16 | fp8 | fp8-bf16`` (see :mod:`.precision`).
         temperature: sampling temperature.
         top_k_logprobs: K of the reported top-K.
-        sampling_top_k, sampling_top_p, sampling_min_p: truncated sampling (vLLM's rules
-            and order; None, 0 / 1 / 0: off); the reported log-probs are those of the
+        sampling: truncated sampling, a :class:`pdmask.Sampling` with this ``temperature``
+            (vLLM's rules and order; None: off); the reported log-probs are those of the
             renormalised distribution.
     """
 
     name = "hf"
 
     def __init__(self, model, *, eos_id: int, pad_id: int, precision: str = "fp32",
-                 temperature: float = 1.0, top_k_logprobs: int = 20, sampling_top_k: int | None = None,
-                 sampling_top_p: float | None = None, sampling_min_p: float | None = None,
+                 temperature: float = 1.0, top_k_logprobs: int = 20, sampling: Sampling | None = None,
                  share_prefill: bool = False):
         check_precision(precision)
         self.share_prefill = bool(share_prefill)
-        Sampling(top_k=sampling_top_k, top_p=sampling_top_p, min_p=sampling_min_p)  # checked
-        self.sampling = dict(sampling_top_k=sampling_top_k, sampling_top_p=sampling_top_p,
-                             sampling_min_p=sampling_min_p)
-        if temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self.sampling = truncation(sampling, temperature)  # checked
         if top_k_logprobs < 1:
             raise ValueError(f"top_k_logprobs: must be >= 1, got {top_k_logprobs}")
         self.precision = precision
@@ -283,7 +296,7 @@ class HFEngine(RolloutEngine):
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=self.eos_id,
                       pad_id=self.pad_id, temperature=self.temperature,
                       top_k_logprobs=self.top_k_logprobs, seed=seed, return_logits=return_logits,
-                      share_prefill=self.share_prefill, **self.sampling)
+                      share_prefill=self.share_prefill, sampling=self.sampling)
 
     @torch.no_grad()
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import check_choice
+
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-bf16")
 
 #: Largest finite value of float8_e4m3fn.
@@ -47,8 +49,7 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: unknown value {precision!r}; valid values are: {', '.join(PRECISIONS)}")
+    check_choice("precision", precision, PRECISIONS)
 
 
 def fp8_roundtrip(w: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from .._validate import check_choice
 from .base import RolloutEngine
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
@@ -54,8 +55,7 @@ def check_backend(name: str) -> None:
     raises :class:`MissingExtra` when the extra is missing."""
     if name not in ENGINES and name in LAZY:
         _import_lazy(name)
-    if name not in ENGINES:
-        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    check_choice("engine", name, tuple(engine_names()))
     if name in LAZY:
         check = getattr(importlib.import_module(LAZY[name]), "check_installed", None)
         if check is not None:
@@ -76,8 +76,7 @@ def make_engine(name: str, model, *, tokenizer=None, eos_id: int, pad_id: int, p
     """Build the rollout engine ``name`` (``hf``; ``vllm`` when its backend is installed)."""
     if name not in ENGINES and name in LAZY:
         _import_lazy(name)
-    if name not in ENGINES:
-        raise ValueError(f"engine: unknown backend {name!r}; valid values are: {', '.join(engine_names())}")
+    check_choice("engine", name, tuple(engine_names()))
     return ENGINES[name](model, tokenizer=tokenizer, eos_id=eos_id, pad_id=pad_id, precision=precision,
                          temperature=temperature, top_k_logprobs=top_k_logprobs, **options)
 
@@ -86,17 +85,20 @@ def build_engine(cfg, model, tokenizer) -> RolloutEngine:
     """The rollout engine named by ``cfg.engine`` with a copy of ``model``'s weights.
 
     ``cfg`` is a trainer config (:class:`pdmask.train.TrainConfig` or anything with its
-    ``engine``, ``engine_precision``, ``temperature`` and ``top_k`` fields); the token
-    ids come from ``tokenizer``. Equivalent to ``make_engine(cfg.engine, model,
-    tokenizer=tokenizer, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-    precision=cfg.engine_precision, temperature=cfg.temperature, top_k_logprobs=cfg.top_k)``,
-    plus the truncated-sampling fields ``sampling_top_k/top_p/min_p`` when one is on
-    (the hf engine samples with them; another backend refuses them).
+    ``engine``, ``engine_precision``, ``top_k`` fields and a ``loss`` whose ``sampling`` is
+    the :class:`pdmask.Sampling` the engine samples with); the token ids come from
+    ``tokenizer``. Equivalent to ``make_engine(cfg.engine, model, tokenizer=tokenizer,
+    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+    precision=cfg.engine_precision, temperature=cfg.loss.sampling.temperature,
+    top_k_logprobs=cfg.top_k)``, plus ``sampling=cfg.loss.sampling`` when it truncates
+    (the hf engine samples with it; another backend refuses it).
     """
-    trunc = {k: getattr(cfg, k, None) for k in SAMPLING_FIELDS}
-    on = {k: v for k, v in trunc.items() if v not in (None, 0, -1, 1, 1.0, 0.0)}
+    s = cfg.loss.sampling
+    on = {"sampling": s} if s.truncated else {}
     if on and cfg.engine != "hf":
-        raise ValueError(f"{next(iter(on))}: truncated sampling is built into the hf engine only "
+        path = next(f"sampling.{k}" for k in ("top_k", "top_p", "min_p") if getattr(s, k) is not None)
+        key = cfg.loss_key(path) if hasattr(cfg, "loss_key") else f"loss.{path}"
+        raise ValueError(f"{key}: truncated sampling is built into the hf engine only "
                          f"(engine={cfg.engine!r} samples with the temperature alone)")
     if getattr(cfg, "engine_share_prefill", False):
         if cfg.engine != "hf":
@@ -105,19 +107,13 @@ def build_engine(cfg, model, tokenizer) -> RolloutEngine:
         on["share_prefill"] = True
     return make_engine(cfg.engine, model, tokenizer=tokenizer, eos_id=tokenizer.eos_token_id,
                        pad_id=tokenizer.pad_token_id, precision=cfg.engine_precision,
-                       temperature=cfg.temperature, top_k_logprobs=cfg.top_k, **on)
-
-
-#: Trainer-config fields of truncated sampling, passed to the engine when set.
-SAMPLING_FIELDS = ("sampling_top_k", "sampling_top_p", "sampling_min_p")
+                       temperature=s.temperature, top_k_logprobs=cfg.top_k, **on)
 
 
 def _make_hf(model, *, tokenizer=None, eos_id, pad_id, precision, temperature, top_k_logprobs, **options):
     from .hf import HFEngine
 
-    trunc = {k: options.pop(k) for k in SAMPLING_FIELDS if k in options}
-    if "share_prefill" in options:
-        trunc["share_prefill"] = options.pop("share_prefill")
+    trunc = {k: options.pop(k) for k in ("sampling", "share_prefill") if k in options}
     if options:
         raise ValueError(f"engine_options: the hf engine takes none, got {sorted(options)}")
     return HFEngine(model, eos_id=eos_id, pad_id=pad_id, precision=precision, temperature=temperature,

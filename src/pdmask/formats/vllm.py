@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import _check as C
+from .._validate import check_choice
 from ..rollout import Rollout
 from .topk import assemble, check_k
 
@@ -87,9 +88,7 @@ def check_sampling_semantics(
     repetition_penalty = C.setting("repetition_penalty", repetition_penalty, 1.0)
     if logprobs_mode is None:
         return
-    if logprobs_mode not in LOGPROBS_MODES:
-        raise ValueError(f"logprobs_mode: unknown value {logprobs_mode!r}; valid values are: "
-                         f"{', '.join(LOGPROBS_MODES)}")
+    check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
     if logprobs_mode.endswith("_logits"):
         raise ValueError(
             f"logprobs_mode: {logprobs_mode!r} makes {engine} return logits, not log-probs; "

@@ -9,10 +9,10 @@ Stable entry points (the direction audit and notebooks import these):
 - :func:`build_engine` — the rollout engine from a config (``pdmask.engine.registry``).
 - :func:`rollout_step` — generate -> rewards -> advantages, :class:`RolloutStep`;
   :func:`group_advantages`, :func:`decode_responses`, :func:`rewards_for`,
-  :func:`greedy_accuracy`, :func:`greedy_eval` (``rollout``).
-- :func:`compute_loss` — one trainer forward + ``pdmask.policy_loss`` on a rollout batch;
+  :func:`greedy_eval` (``rollout``).
+- :func:`compute_loss` — one trainer forward + ``cfg.loss`` on a rollout batch;
   :func:`update_step` — loss, backward, clip, optimizer step; :func:`select`,
-  :func:`make_optimizer` (``update``).
+  :func:`make_optimizer`, :func:`build_optimizer` (``update``).
 - :func:`latest_checkpoint`, :func:`load_weights`, :func:`is_run_dir` (``checkpoint``).
 - :func:`setup`, :func:`train` — the whole run (``grpo``).
 """
@@ -27,9 +27,9 @@ _EXPORTS = {
     "ensure_sft_checkpoint": "sft", "sft_info": "sft",
     "load_model_and_tokenizer": "model", "build_model": "model", "encode_prompts": "model",
     "group_advantages": "rollout", "decode_responses": "rollout", "rewards_for": "rollout",
-    "greedy_accuracy": "rollout", "greedy_eval": "rollout", "eval_rewards": "tasks",
+    "greedy_eval": "rollout", "eval_rewards": "tasks",
     "rollout_step": "rollout", "RolloutStep": "rollout",
-    "compute_loss": "update", "select": "update", "update_step": "update", "make_optimizer": "update",
+    "compute_loss": "update", "select": "update", "update_step": "update", "make_optimizer": "update", "build_optimizer": "update",
     "latest_checkpoint": "checkpoint", "load_weights": "checkpoint", "is_run_dir": "checkpoint",
     "setup": "grpo", "Setup": "grpo", "train": "grpo",
     "build_engine": "pdmask.engine.registry",

@@ -1,23 +1,41 @@
-"""The trainer's configuration: one dataclass, every field with a help text.
+"""The trainer's configuration: one dataclass, every field with a help text; the loss is
+one :class:`pdmask.PolicyLoss`.
 
-``load_config(path, overrides)`` reads a YAML preset and applies ``key=value``
-overrides (values parsed as YAML: ``lr=3e-4``, ``full_logits=true``, ``delta_high=null``).
-Unknown keys raise ``ValueError`` naming the key and listing the valid names; values are
+``load_config(path, overrides)`` reads a YAML preset and applies ``key=value`` overrides
+(values parsed as YAML: ``lr=3e-4``, ``full_logits=true``, ``loss.thresholds.delta_high=null``).
+The loss's settings are the fields of :class:`pdmask.PolicyLoss` and of its specs, under
+``loss``: a nested ``loss:`` mapping in YAML, dotted keys on the command line
+(``loss.mode=grpo``, ``loss.corrections.is_cap=3``). The short names of the flat config
+that came before (``mode``, ``is_cap``, ``temperature``, ``sampling_top_k``,
+...: :data:`pdmask.train.loss_spec.LOSS_ALIASES`, one table) are read too, so that the run directories written
+with them keep loading (resume, ``--prefix-of``, the ladder's cells, the report rebuilds).
+The spec is built once (:func:`pdmask.train.loss_spec.build_loss`) and every loss value is
+checked there by the specs themselves; an error names the key as it was written. Unknown keys raise
+``ValueError`` naming the key and listing the valid names; the other values are
 type-checked against the field's type and :meth:`TrainConfig.validate` checks ranges and
 choices. ``pdmask train --help-config`` prints the table of fields.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import batchmask  # noqa: F401  (registers the pdm-batch-* modes a config may name)
+from .._validate import check_choice
+from ..loss import PolicyLoss
+from ..masks import get_mode
+from .forwards import forward_for
+from .loss_spec import (
+    LOSS_ALIASES, LOSS_HELP, build_loss, coerce_leaf, flatten_loss, key_of, loss_fields, loss_leaves, loss_path, plain,
+    put_path, resolved_fields, spec_fields, yaml_number,
+)
 
 
 def _f(default, help: str, **kw):
@@ -78,7 +96,6 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0: no clipping)")
     adv_std_norm: bool = _f(True, "divide group advantages by the group std (GRPO); false: mean-centred only (Dr. GRPO)")
     max_new_tokens: int = _f(28, "response length cap")
-    temperature: float = _f(1.0, "sampling temperature of the engine; the loss uses pi = softmax(logits / temperature)")
     # ---------------------------------------------------------------- trainable parameters (docs/trainer.md)
     train_blocks: int = _f(0, "train only the last N decoder blocks and the final norm (0: every parameter); the "
                               "embeddings, lower blocks and LM head (tied or not) are frozen and not in the optimizer")
@@ -90,32 +107,11 @@ class TrainConfig:
     loss_from: str = _f("logits", "logits: the loss reads the trainer's (B, T, V) logits; hidden: it reads the "
                                   "final hidden states and the LM-head weight, and no (B, T, V) tensor enters the graph "
                                   "(pdmask.policy_loss_from_hidden; not with full_logits or the pdm-batch-* modes)")
-    # ---------------------------------------------------------------- loss / mask
-    mode: str = _f("pdm-topk-kl", "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, drpo, spo, "
-                                  "pdm-smooth-topk-kl, ...)")
-    estimator: str = _f("exact", "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated")
-    support: str = _f("topk+sampled", "support of the top-K divergences: topk+sampled (the rollout's top-K plus the "
-                                      "sampled token) or topk (the top-K alone, the DPPO reference code); "
-                                      "not with the pdm-batch-* modes")
-    delta_low: typing.Optional[float] = _f(None, "divergence threshold for A < 0, the smooth modes' scale delta "
-                                                 "(null: the mode's default)")
-    delta_high: typing.Optional[float] = _f(None, "divergence threshold for A > 0, the smooth modes' scale delta "
-                                                  "(null: the mode's default)")
-    eps_low: float = _f(0.2, "grpo ratio clip below 1")
-    eps_high: float = _f(0.28, "grpo ratio clip above 1 (clip-higher)")
-    is_cap: typing.Optional[float] = _f(None, "IS-weight cap C in min(r, C) and upper bound of is_mask (null: 5; "
-                                              ".inf disables); grpo's dual-clip constant unless dual_clip is set")
-    dual_clip: typing.Optional[float] = _f(None, "grpo only: dual-clip constant C, the loss of an A < 0 token is at "
-                                                 "most -A C (verl clip_ratio_c; null: is_cap; .inf disables)")
-    loss_agg: str = _f("token-mean", "loss aggregation (verl's agg_loss modes): token-mean, token-sum, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm")
-    # ---------------------------------------------------------------- off-policy corrections (docs/corrections.md)
-    is_level: typing.Optional[str] = _f("token", "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is")
-    is_floor: typing.Optional[float] = _f(None, "lower bound of the IS weight (null: none); TRL vllm_importance_sampling_clip_min")
-    is_mask: bool = _f(False, "mask tokens/sequences whose IS weight is outside [is_floor, is_cap] (MIS, IcePop) instead of truncating (TIS)")
-    is_batch_normalize: bool = _f(False, "divide the IS weights by their batch mean; verl rollout_is_batch_normalize")
-    rejection: str = _f("", "rejection rules, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/3; empty: none); verl rollout_rs")
-    rejection_threshold: str = _f("", "their thresholds in verl's syntax: one value, or one per rule, 'lo_hi' for k1 rules; verl rollout_rs_threshold")
-    off_policy_mask_threshold: typing.Optional[float] = _f(None, "mask sequences with A < 0 and mean log(mu/pi) above this (DeepSeek-V3.2; TRL's name; null: off)")
+    # ---------------------------------------------------------------- the loss (docs/trainer.md)
+    loss: Any = _f(None, "the policy loss, one pdmask.PolicyLoss: loss.mode, loss.estimator, loss.support, "
+                         "loss.thresholds.*, loss.corrections.*, loss.sampling.* (the engine samples with it too), "
+                         "loss.aggregation.*, loss.compute.*, loss.validate (a nested mapping in YAML, dotted keys "
+                         "on the command line; short names in LOSS_ALIASES)")
     batch_params: str = _f("all", "pdm-batch-* modes only: parameters of the batch direction, all or N (the last N "
                                   "blocks + final norm + LM head: the cheaper variant)")
     batch_method: str = _f("auto", "pdm-batch-* modes only: how the batch direction's J v is computed: auto "
@@ -129,9 +125,6 @@ class TrainConfig:
     top_k: int = _f(20, "K of the engine's reported top-K log-probs")
     sync_every: int = _f(1, "copy trainer weights to the engine every N steps (N > 1: policy lag of up to N-1 steps)")
     full_logits: bool = _f(False, "also fetch the engine's full logits (oracle mismatch metrics; needed by pdm-full-* modes)")
-    sampling_top_k: int = _f(0, "engine samples from its k most likely tokens (0: off); the loss renormalises pi over the same kept set")
-    sampling_top_p: float = _f(1.0, "engine samples from the smallest set holding top_p of the mass (1: off; vLLM's order: min_p, top_k, top_p)")
-    sampling_min_p: float = _f(0.0, "engine drops tokens below min_p x the top probability (0: off)")
     # ---------------------------------------------------------------- logging / checkpoints
     eval_every: int = _f(5, "held-out greedy accuracy every N steps (and at step 0 and the end)")
     checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
@@ -141,35 +134,59 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar")
 
     # ------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        # the loss: None (the trainer's default spec), a nested mapping of its fields, or a
+        # PolicyLoss; the fields as given (a None delta: the mode's) are kept for to_dict
+        if isinstance(self.loss, PolicyLoss):
+            self._loss_fields = spec_fields(self.loss)
+        else:
+            given = self.loss if self.loss is not None else {}
+            if not isinstance(given, Mapping):
+                raise ValueError(f"loss: expected a pdmask.PolicyLoss or a mapping of its fields, got "
+                                 f"{type(given).__name__}")
+            self.loss, self._loss_fields = build_loss(loss_fields(given))
+
     @property
     def run_name(self) -> str:
-        return self.name or f"{self.mode}-s{self.seed}"
+        return self.name or f"{self.loss.mode}-s{self.seed}"
 
     @property
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.run_name
 
+    @property
+    def loss_fields(self) -> dict[str, Any]:
+        """The loss spec's fields as a nested mapping, as given (a None delta stands for the
+        mode's default, a None ``is_cap`` for 5): what ``config.yaml`` stores under ``loss``."""
+        return copy.deepcopy(self._loss_fields)
+
+    def loss_key(self, path: str) -> str:
+        """The config key of the loss field ``path`` (``sampling.top_k``) for error messages:
+        as the user wrote it, else its short name (:data:`LOSS_ALIASES`), else ``loss.<path>``."""
+        return (getattr(self, "_loss_names", None) or {}).get(path) or key_of(path)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {}
+        for f in dataclasses.fields(self):
+            out[f.name] = plain(self._loss_fields) if f.name == "loss" else getattr(self, f.name)
+        return out
 
     def validate(self) -> "TrainConfig":
         """Range and choice checks; raises ValueError naming the field."""
-        from .. import MODES
-        from ..batchmask import METHODS
-        from ..keys import ESTIMATORS
-        from ..keys import SUPPORTS
-        from ..loss import LOSS_AGGS
         from ..engine.precision import PRECISIONS
         from ..engine.registry import engine_names
-
         from .tasks import TASKS
 
-        choices = {"arch": ("llama", "qwen3"), "task": TASKS, "mode": tuple(MODES),
-                   "estimator": tuple(ESTIMATORS), "support": SUPPORTS, "loss_agg": LOSS_AGGS, "engine_precision": PRECISIONS,
-                   "engine": tuple(engine_names()), "batch_method": METHODS}
-        for k, valid in choices.items():
-            if getattr(self, k) not in valid:
-                raise ValueError(f"{k}: unknown value {getattr(self, k)!r}; valid values are: {', '.join(valid)}")
+        for k, valid in {"arch": ("llama", "qwen3"), "task": TASKS, "engine_precision": PRECISIONS,
+                         "engine": tuple(engine_names())}.items():
+            check_choice(k, getattr(self, k), valid)
+        self._validate_ranges()
+        self._validate_shapes()
+        _validate_loss(self)
+        _validate_trainable(self)
+        return self
+
+    def _validate_ranges(self) -> None:
         positive = ["threads", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                     "max_positions", "train_size", "eval_size", "max_number", "min_steps", "max_steps",
                     "sft_batch_size", "steps", "prompts_per_step", "group_size", "minibatches", "epochs",
@@ -180,11 +197,9 @@ class TrainConfig:
         for k in ("sft_steps", "checkpoint_every"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k}: must be >= 0, got {getattr(self, k)}")
-        for k in ("lr", "sft_lr", "temperature", "eps_low", "eps_high", "is_cap", "dual_clip"):
+        for k in ("lr", "sft_lr"):
             v = getattr(self, k)
-            if v is None and k in ("is_cap", "dual_clip"):
-                continue
-            if not (v > 0) or (math.isinf(v) and k not in ("is_cap", "dual_clip")):
+            if not (v > 0) or math.isinf(v):
                 raise ValueError(f"{k}: must be a positive number, got {v}")
         if not 0.0 <= self.sft_alt_format <= 1.0:
             raise ValueError(f"sft_alt_format: must lie in [0, 1], got {self.sft_alt_format}")
@@ -193,6 +208,8 @@ class TrainConfig:
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{k}: must be a finite number >= 0{' (0: no clipping)' if k == 'grad_clip' else ''}, "
                                  f"got {v}")
+
+    def _validate_shapes(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"group_size: must be >= 2 (GRPO advantages are relative to the group: with one sample "
                              f"per prompt every advantage is 0 and nothing is learned), got {self.group_size}")
@@ -213,10 +230,6 @@ class TrainConfig:
             if self.max_positions <= self.max_new_tokens:
                 raise ValueError(f"max_positions: must exceed max_new_tokens ({self.max_new_tokens}) to leave room for "
                                  f"a prompt, got {self.max_positions}")
-        for k in ("delta_low", "delta_high"):
-            v = getattr(self, k)
-            if v is not None and not v > 0:
-                raise ValueError(f"{k}: must be a positive number or null, got {v}")
         if self.max_steps < self.min_steps:
             raise ValueError(f"max_steps: must be >= min_steps ({self.min_steps}), got {self.max_steps}")
         n = self.prompts_per_step * self.group_size
@@ -228,8 +241,6 @@ class TrainConfig:
             raise ValueError(f"batch_params: expected all or a number of last blocks >= 1, got {self.batch_params!r}")
         if self.batch_params != "all" and not self.model_path and int(self.batch_params) > self.num_layers:
             raise ValueError(f"batch_params: the model has num_layers={self.num_layers} blocks, got {self.batch_params}")
-        if self.mode.startswith("pdm-full") and not self.full_logits:
-            raise ValueError(f"full_logits: mode {self.mode!r} needs the engine's full logits; set full_logits=true")
         if self.model_path and not self.tie_embeddings:
             raise ValueError("tie_embeddings: applies to the built-in model only; with model_path set the "
                              "checkpoint's own config.json (tie_word_embeddings) decides")
@@ -240,15 +251,15 @@ class TrainConfig:
                              "use_chat_template=true (and a model_path whose tokenizer has a chat template)")
         if self.shots < 0:
             raise ValueError(f"shots: must be >= 0, got {self.shots}")
-        _validate_corrections(self)
-        _validate_trainable(self)
-        return self
+
+
+def _forward_need(cfg: TrainConfig) -> str:
+    return get_mode(cfg.loss.mode).extras[0]
 
 
 def _validate_trainable(cfg: TrainConfig) -> None:
     """The trainable-parameter variant (train_blocks, lora_*) and loss_from: ranges, and
     the combinations the trainer cannot serve."""
-    from .. import MODES
     from .trainable import LORA_TARGETS
 
     for k in ("train_blocks", "lora_rank"):
@@ -268,100 +279,88 @@ def _validate_trainable(cfg: TrainConfig) -> None:
                 raise ValueError(f"{k}: applies with lora_rank >= 1 only (LoRA is off); set lora_rank or remove {k}")
     if not cfg.model_path and cfg.train_blocks > cfg.num_layers:
         raise ValueError(f"train_blocks: the model has num_layers={cfg.num_layers} blocks, got {cfg.train_blocks}")
-    if cfg.loss_from not in ("logits", "hidden"):
-        raise ValueError(f"loss_from: unknown value {cfg.loss_from!r}; valid values are: logits, hidden")
-    extras = MODES[cfg.mode].extras if cfg.mode in MODES else ()
+    check_choice("loss_from", cfg.loss_from, LOSS_FROM)
     if cfg.loss_from == "hidden":
-        if extras:
-            raise ValueError(f"loss_from: mode {cfg.mode!r} computes its batch direction on the logits of its own "
-                             "forward; use loss_from=logits")
+        if forward_for(cfg.loss.mode) is not None:
+            raise ValueError(f"loss_from: mode {cfg.loss.mode!r} computes its {_forward_need(cfg)} input on the "
+                             "logits of its own forward; use loss_from=logits")
         if cfg.full_logits:
             raise ValueError("loss_from: hidden takes no rollout logits, and full_logits=true is for them (the "
                              f"*-full-* modes, the full-vocabulary mismatch metrics); use loss_from=logits "
-                             f"(mode {cfg.mode!r}) or full_logits=false")
+                             f"(mode {cfg.loss.mode!r}) or full_logits=false")
 
 
-def effective_is_cap(cfg: TrainConfig) -> float:
-    """The IS cap the config means: ``is_cap``, or pdmask's default when it is null (null,
-    not 5, is the field's default so that a cap the loss would ignore can be refused)."""
-    from ..corrections import DEFAULT_IS_CAP
+def _validate_loss(cfg: TrainConfig) -> None:
+    """What the trainer asks of its loss spec beyond the spec's own checks: a registered mode
+    name; the inputs the mode needs (the engine's full logits, a registered trainer forward);
+    what truncated sampling excludes."""
+    from .forwards import FORWARDS
 
-    return DEFAULT_IS_CAP if cfg.is_cap is None else cfg.is_cap
-
-
-def corrections(cfg: TrainConfig):
-    """The config's :class:`pdmask.Corrections` (the field names are its field names; an
-    empty ``rejection`` / ``rejection_threshold`` string is None)."""
-    from ..corrections import Corrections
-
-    return Corrections.from_fields(cfg, rejection=cfg.rejection or None,
-                                   rejection_threshold=cfg.rejection_threshold or None)
-
-
-def sampling(cfg: TrainConfig):
-    """The engine's :class:`pdmask.Sampling` (``temperature`` and ``sampling_*``); an error
-    names the config field."""
-    from .._validate import SpecError
-    from ..ops import Sampling
-
-    try:
-        return Sampling(temperature=cfg.temperature, top_k=cfg.sampling_top_k, top_p=cfg.sampling_top_p,
-                        min_p=cfg.sampling_min_p)
-    except SpecError as e:  # the field is the config's own, prefixed but for temperature
-        raise (e if e.field == "temperature" else e.renamed(f"sampling_{e.field}")) from None
-
-
-def loss_spec(cfg: TrainConfig, *, validate: bool = False):
-    """The trainer's :class:`pdmask.PolicyLoss`: the one spec built from the config (every
-    setting checked there, once; errors name the field)."""
-    from ..loss import Aggregation, PolicyLoss
-    from ..masks import Thresholds
-
-    return PolicyLoss(mode=cfg.mode, estimator=cfg.estimator, support=cfg.support,
-                      thresholds=Thresholds(cfg.delta_low, cfg.delta_high, cfg.eps_low, cfg.eps_high, cfg.dual_clip),
-                      corrections=corrections(cfg), sampling=sampling(cfg),
-                      aggregation=Aggregation(cfg.loss_agg), validate=validate)
-
-
-def _validate_corrections(cfg: TrainConfig) -> None:
-    """The loss spec's own checks (:func:`loss_spec`), and what truncated sampling excludes."""
-    from .. import MODES
-
-    if cfg.mode not in MODES:
+    if not isinstance(cfg.loss.mode, str):
+        raise ValueError(f"{cfg.loss_key('mode')}: the trainer config takes the name of a registered mode "
+                         f"(pdmask.register_mode), got a {type(cfg.loss.mode).__name__}")
+    mode = get_mode(cfg.loss.mode)
+    if "full" in mode.needs and not cfg.full_logits:
+        raise ValueError(f"full_logits: mode {mode.name!r} needs the engine's full logits; set full_logits=true")
+    forward_for(mode)  # a mode needing an input that no registered trainer forward computes
+    for fwd in FORWARDS.values():  # the settings each registered forward reads (batch_method)
+        if fwd.check is not None:
+            fwd.check(cfg)
+    if not cfg.loss.sampling.truncated:
         return
-    spec = loss_spec(cfg)
-    if not spec.sampling.truncated:
-        return
-    on = next(k for k in ("sampling_top_k", "sampling_top_p", "sampling_min_p")
-              if getattr(cfg, k) not in (0, -1, 1.0, 0.0))
+    path = next(f"sampling.{k}" for k in ("top_k", "top_p", "min_p") if getattr(cfg.loss.sampling, k) is not None)
+    on = cfg.loss_key(path)
     if cfg.full_logits:
         raise ValueError(f"{on}: truncated sampling cannot be combined with full_logits=true "
                          "(the full-vocabulary terms are those of the untruncated mu)")
-    if MODES[cfg.mode].extras:
-        raise ValueError(f"{on}: mode {cfg.mode!r} computes its batch direction on the untruncated pi; "
-                         "truncated sampling is not available with the pdm-batch-* modes")
+    if forward_for(mode) is not None:
+        raise ValueError(f"{on}: mode {mode.name!r} computes its {_forward_need(cfg)} direction on the untruncated "
+                         "pi; truncated sampling is not available with it")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: ``loss_from`` values: the trainer's logits, or its final hidden states and LM-head weight.
+LOSS_FROM = ("logits", "hidden")
 
 
 def field_help() -> list[tuple[str, str, str, str]]:
-    """(name, type, default, help) of every field, for the CLI."""
+    """(name, type, default, help) of every field, the loss's one row per leaf, for the CLI."""
     hints = typing.get_type_hints(TrainConfig)
-    return [(f.name, _type_name(hints[f.name]), repr(f.default), f.metadata["help"]) for f in dataclasses.fields(TrainConfig)]
+    rows = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "loss":
+            rows.append((f.name, _type_name(hints[f.name]), repr(f.default), f.metadata["help"]))
+            continue
+        defaults = loss_fields()
+        short = {v: k for k, v in LOSS_ALIASES.items()}
+        for path, tp in loss_leaves().items():
+            d = defaults
+            for part in path.split("."):
+                d = d[part]
+            alias = f" (short name: {short[path]})" if path in short else ""
+            rows.append((f"loss.{path}", _type_name(tp), repr(d), f"{LOSS_HELP.get(path, '')}{alias}".strip()))
+    return rows
 
 
 def _type_name(tp) -> str:
     args = typing.get_args(tp)
     if args:
-        return "|".join(a.__name__ if a is not type(None) else "null" for a in args)
-    return tp.__name__
+        return "|".join(getattr(a, "__name__", str(a)) if a is not type(None) else "null" for a in args)
+    return getattr(tp, "__name__", str(tp))
 
 
 def _unknown(key: str, where: str) -> ValueError:
-    close = difflib.get_close_matches(key, FIELDS, n=3)
+    names = [*FIELDS, *LOSS_ALIASES, *(f"loss.{p}" for p in loss_leaves())]
+    close = difflib.get_close_matches(key, names, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return ValueError(f"{key}: unknown config key in {where}{hint}; valid names are: {', '.join(FIELDS)}")
+    fields = ", ".join(f for f in FIELDS if f != "loss")
+    return ValueError(f"{key}: unknown config key in {where}{hint}; valid names are: {fields}, and the loss's "
+                      "loss.<field> (pdmask train --help-config lists them)")
+
+
+def is_config_key(key: str) -> bool:
+    """``key`` names a config field, a loss field (``loss.corrections.is_cap``) or a short name."""
+    return key in FIELDS or key in LOSS_ALIASES or key.startswith("loss.") and key[5:] in loss_leaves()
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -399,27 +398,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _yaml_number(value):
-    """PyYAML reads ``3e-4`` (no dot) as a string; accept it as a float."""
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value.lower() for c in "e.") else value
-        except ValueError:
-            return value
-    return value
-
-
-def make_config(values: dict[str, Any], where: str = "config") -> TrainConfig:
-    for k in values:
-        if k not in FIELDS:
+def config_values(items, where: str) -> tuple[dict, dict, dict]:
+    """``(fields, loss, names)`` of ``(key, value)`` pairs, later pairs winning: the
+    TrainConfig fields, the loss's fields (nested, partial) and, for each loss path given,
+    the key it was given by (error messages name the key as written). Keys are field names,
+    ``loss`` (a mapping), ``loss.<path>`` or a short name of :data:`LOSS_ALIASES`."""
+    top: dict[str, Any] = {}
+    loss: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    for k, v in items:
+        if k == "loss":
+            if not isinstance(v, Mapping):
+                raise ValueError(f"loss: expected a mapping of the loss's fields (mode, thresholds, ...), got {v!r}")
+            pairs = [(p, x, f"loss.{p}") for p, x in flatten_loss(v)]
+        elif loss_path(k) is not None:
+            pairs = [(loss_path(k), v, k)]
+        elif k in FIELDS:
+            top[k] = v
+            continue
+        else:
             raise _unknown(k, where)
+        for path, x, written in pairs:
+            put_path(loss, path, coerce_leaf(path, x))
+            names[path] = written
+    return top, loss, names
+
+
+def make_config(values: dict[str, Any] | list, where: str = "config") -> TrainConfig:
+    """A validated TrainConfig from a mapping (or ``(key, value)`` pairs) of config keys."""
+    items = list(values.items()) if isinstance(values, Mapping) else list(values)
+    top, loss, names = config_values(items, where)
     hints = typing.get_type_hints(TrainConfig)
     out = {}
-    for k, v in values.items():
+    for k, v in top.items():
         if float in (hints[k], *typing.get_args(hints[k])):
-            v = _yaml_number(v)
+            v = yaml_number(v)
         out[k] = _coerce(k, v)
-    return TrainConfig(**out).validate()
+    spec, fields_ = build_loss(loss_fields(loss), names)
+    cfg = TrainConfig(**out, loss=spec)
+    cfg._loss_fields, cfg._loss_names = fields_, names  # as given (a None delta), and as written
+    return cfg.validate()
 
 
 def _yaml_where(e) -> str:
@@ -429,11 +447,12 @@ def _yaml_where(e) -> str:
     return f"{at} ({getattr(e, 'problem', None) or str(e).splitlines()[0]})"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """Read a YAML preset (``None``: defaults) and apply overrides; validated."""
+def load_config(path: str | Path | None = None, overrides: list | dict | None = None) -> TrainConfig:
+    """Read a YAML preset (``None``: defaults) and apply overrides (``key=value`` strings, a
+    mapping, or ``(key, value)`` pairs, later ones winning); validated."""
     import yaml
 
-    values: dict[str, Any] = {}
+    items: list = []
     if path:
         p = Path(path)
         if not p.exists():
@@ -453,36 +472,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         if not all(isinstance(k, str) for k in data):
             bad = next(k for k in data if not isinstance(k, str))
             raise ValueError(f"config: {path}: key {bad!r} is not a name")
-        for k in data:
-            if k not in FIELDS:
-                raise _unknown(k, str(path))
-        values.update(data)
-    if isinstance(overrides, dict):
-        items = list(overrides.items())
+        config_values(list(data.items()), str(path))  # unknown keys named with the file
+        items += list(data.items())
+    if isinstance(overrides, Mapping):
+        over = list(overrides.items())
     else:
-        items = [parse_override(o) for o in (overrides or [])]
-    for k, v in items:
-        if k not in FIELDS:
-            raise _unknown(k, "overrides")
-        values[k] = v
-    return make_config(values, where=str(path) if path else "config")
+        over = [o if isinstance(o, tuple) else parse_override(o) for o in (overrides or [])]
+    config_values(over, "overrides")
+    return make_config(items + over, where=str(path) if path else "config")
 
 
-def replace(cfg: TrainConfig, **changes) -> TrainConfig:
-    """A validated copy with ``changes`` (unknown keys raise like overrides)."""
+def replace(cfg: TrainConfig, changes: Mapping | None = None, **kw) -> TrainConfig:
+    """A validated copy with ``changes`` (config keys as :func:`load_config` takes them,
+    ``loss.corrections.is_cap`` or ``is_cap``; unknown keys raise like overrides)."""
+    over = [*(changes or {}).items(), *kw.items()]
+    config_values(over, "overrides")
     vals = cfg.to_dict()
-    for k, v in changes.items():
-        if k not in FIELDS:
-            raise _unknown(k, "overrides")
-        vals[k] = v
-    return make_config(vals)
+    return make_config([*vals.items(), *over])
 
 
 # ------------------------------------------------------------------ stored runs
 #: config keys that do not change a run's result (ignored when a stored run is compared with
 #: a config: the ladder's cells, prefix cells); keep_checkpoints only decides how many
-#: checkpoints stay on disk (its default went 1 -> 2 after the first ladder cells were run)
-NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints")
+#: checkpoints stay on disk (its default went 1 -> 2 after the first ladder cells were run);
+#: loss.validate only checks the inputs
+NEUTRAL_KEYS = ("out_dir", "progress", "cache_dir", "tensorboard", "name", "keep_checkpoints", "loss.validate")
 
 
 def stored_config(run_dir: Path) -> dict | None:
@@ -508,23 +522,42 @@ def stored_config(run_dir: Path) -> dict | None:
     return data
 
 
-def _null_means(key: str, value):
-    """A field whose null default stands for a value compares by that value: ``is_cap``
-    null is 5 (runs made before the null default stored ``is_cap: 5.0``)."""
-    return effective_is_cap(TrainConfig()) if key == "is_cap" and value is None else value
+def stored_loss(stored: Mapping) -> dict[str, Any]:
+    """The loss fields of a stored config (``config.yaml`` of any version: the nested
+    ``loss`` mapping, or the short names of the flat config before it), nested and partial."""
+    items = [(k, v) for k, v in stored.items() if k == "loss" or loss_path(k) is not None]
+    return config_values(items, "the stored config")[1]
+
+
+def comparable(values: Mapping) -> dict[str, Any]:
+    """A config mapping (a stored ``config.yaml`` of any version, or ``TrainConfig.to_dict()``)
+    flat, in the terms two configs are compared in: ``loss.<path>`` keys holding what the
+    loss resolves to (the mode's deltas, the IS cap's default 5: what the run used), the
+    other fields as they are. A stored loss the specs refuse today is compared as given."""
+    out = {k: v for k, v in values.items() if k in FIELDS and k != "loss"}
+    out.update({k: v for k, v in values.items() if k not in FIELDS and loss_path(k) is None})  # unknown: kept
+    given = loss_fields(stored_loss(values))
+    try:
+        resolved = resolved_fields(build_loss(given)[0])
+    except ValueError:
+        resolved = given
+    out.update({f"loss.{p}": v for p, v in flatten_loss(plain(resolved))})
+    return out
 
 
 def config_diff(stored: dict, cfg: TrainConfig) -> dict:
-    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored). A key
-    the stored config lacks counts as equal when ``cfg`` holds the field's default: a
-    field added to :class:`TrainConfig` after the run was made, at the value that keeps
-    the old behaviour."""
-    want = cfg.to_dict()
-    keys = (set(stored) | set(want)) - set(NEUTRAL_KEYS)
+    """Keys whose stored value differs from ``cfg`` (results-neutral keys ignored), compared
+    as :func:`comparable` puts them (a stored config of the flat version compares equal to
+    the same settings in the nested one). A key the stored config lacks counts as equal
+    when ``cfg`` holds the field's default: a field added to :class:`TrainConfig` after the
+    run was made, at the value that keeps the old behaviour (loss fields a stored config
+    lacks are their defaults already)."""
+    have, want = comparable(stored), comparable(cfg.to_dict())
+    keys = (set(have) | set(want)) - set(NEUTRAL_KEYS)
     out = {}
     for k in sorted(keys):
-        if k not in stored and k in FIELDS and want.get(k) == FIELDS[k].default:
+        if k not in have and k in FIELDS and want.get(k) == FIELDS[k].default:
             continue
-        if _null_means(k, stored.get(k)) != _null_means(k, want.get(k)):
-            out[k] = (stored.get(k), want.get(k))
+        if have.get(k) != want.get(k):
+            out[k] = (have.get(k), want.get(k))
     return out

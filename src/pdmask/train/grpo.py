@@ -7,7 +7,7 @@ Per step::
     reward    rule-based reward of each decoded response
     advantage GRPO: r - mean(group) [/ std(group)]          (the three: rollout.rollout_step)
     update    for each of `minibatches` slices (x epochs): one trainer forward ->
-              pdmask.policy_loss(mode=cfg.mode) -> backward -> clip -> AdamW step
+              cfg.loss (one pdmask.PolicyLoss) -> backward -> clip -> AdamW step
               (over the trainable parameters: all, top-N blocks or LoRA; trainable.py)
                                                             (update.select, update.update_step)
     log       JSONL + TensorBoard; held-out greedy accuracy every eval_every steps
@@ -20,7 +20,7 @@ How it departs from textbook GRPO (on purpose; this is what the masks are about)
   no old-policy forward at all. The ratio ``r = pi_k / mu_k`` therefore contains the
   training-inference mismatch (engine precision, policy lag) as well as the drift of
   the earlier mini-batch updates of the same step.
-- The loss is whatever :func:`pdmask.policy_loss` computes for ``cfg.mode``: for the
+- The loss is whatever ``cfg.loss`` (:class:`pdmask.PolicyLoss`) computes for its mode: for the
   divergence modes the DPPO-style ``-M sg(min(r, C)) A log pi_k``; for ``grpo`` the
   PPO clipped surrogate with clip-higher and dual clip. Masks are chosen by name.
 - No KL-to-reference penalty, no entropy bonus; token-mean aggregation by default.
@@ -50,12 +50,10 @@ from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
-from .update import compute_loss, make_optimizer, select, update_step
+from .update import make_optimizer, select, update_step
 
-# build_engine, compute_loss and select live in engine/registry.py and update.py; they
-# stay importable from here for existing callers (train/compare.py, notebooks)
-__all__ = ["Setup", "TIME_KEYS", "build_engine", "compute_loss", "open_run", "rollout_seed", "select", "setup",
-           "step_metrics", "step_prompts", "summarize", "train"]
+__all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
+           "train"]
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
 TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",
@@ -207,9 +205,10 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                 for j in range(cfg.minibatches):
                     idx = perm[j * mb:(j + 1) * mb]
                     sub = select(batch, idx, plens, rlens)  # (mb, p + t), padding columns trimmed
-                    # full input validation once per run (first update): the engine's
-                    # outputs are then trusted and the hot path skips the host sync
-                    out, gn = update_step(model, opt, sub, adv[idx], cfg, validate=first is None and step == start)
+                    # full input validation once per run (first update): the engine's outputs
+                    # are then trusted and the hot path skips the host sync (loss.validate: always)
+                    out, gn = update_step(model, opt, sub, adv[idx], cfg,
+                                          validate=True if first is None and step == start else None)
                     loss_metrics.append(out.metrics)
                     grad_norms.append(gn)
                     if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
@@ -294,8 +293,9 @@ def summarize(records: list[dict], cfg: TrainConfig, base: dict | None = None) -
         return sum(xs) / len(xs) if xs else None
 
     return {
-        "run": cfg.run_name, "mode": cfg.mode, "seed": cfg.seed, "delta_low": cfg.delta_low,
-        "delta_high": cfg.delta_high, "engine_precision": cfg.engine_precision, "sync_every": cfg.sync_every,
+        "run": cfg.run_name, "mode": cfg.loss.mode, "seed": cfg.seed,
+        **{k: v for k, v in cfg.loss_fields["thresholds"].items() if k.startswith("delta")},  # as given
+        "engine_precision": cfg.engine_precision, "sync_every": cfg.sync_every,
         "steps": steps[-1]["step"] if steps else 0,
         "sft_eval_accuracy": (base or {}).get("eval_greedy_accuracy"),
         "eval_accuracy_start": evals[0]["eval_accuracy"] if evals else None,

@@ -14,11 +14,16 @@ from pathlib import Path
 
 import torch
 
+from .._validate import check_choice
 from .tokenizer import prepare_tokenizer
+
+#: the built-in model's architectures (transformers' Llama and Qwen3)
+ARCHS = ("llama", "qwen3")
 
 
 def model_config(cfg, vocab_size: int, *, pad_id: int, eos_id: int):
     """The ``transformers`` config of the built-in model."""
+    check_choice("arch", cfg.arch, ARCHS)
     common = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                   num_key_value_heads=cfg.num_heads, max_position_embeddings=cfg.max_positions,
@@ -27,11 +32,9 @@ def model_config(cfg, vocab_size: int, *, pad_id: int, eos_id: int):
         from transformers import LlamaConfig
 
         return LlamaConfig(**common)
-    if cfg.arch == "qwen3":
-        from transformers import Qwen3Config
+    from transformers import Qwen3Config  # qwen3
 
-        return Qwen3Config(head_dim=cfg.hidden_size // cfg.num_heads, **common)
-    raise ValueError(f"arch: unknown value {cfg.arch!r}; valid values are: llama, qwen3")
+    return Qwen3Config(head_dim=cfg.hidden_size // cfg.num_heads, **common)
 
 
 def build_model(cfg, vocab_size: int, *, pad_id: int, eos_id: int, seed: int):

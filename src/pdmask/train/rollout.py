@@ -5,7 +5,7 @@
 - :func:`decode_responses` — response strings of a :class:`RolloutBatch` (EOS dropped).
 - :func:`rewards_for` — (B,) float32 rewards from a reward function.
 - :func:`group_advantages` — GRPO advantages per sequence.
-- :func:`greedy_accuracy`, :func:`greedy_eval` — held-out greedy decoding, scored.
+- :func:`greedy_eval` — held-out greedy decoding, scored.
 """
 
 from __future__ import annotations
@@ -165,11 +165,3 @@ def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str
     model.train(was_training)
     n = max(len(prompt_ids), 1)
     return {**{k: v / n for k, v in total.items()}, "length": length / n, "finished": finished / n}
-
-
-def greedy_accuracy(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], reward_fn, *,
-                    max_new_tokens: int, batch_size: int = 256) -> tuple[float, float]:
-    """(mean reward, mean response length) of greedy decoding on held-out prompts."""
-    r = greedy_eval(model, tokenizer, prompt_ids, answers, {"acc": reward_fn}, max_new_tokens=max_new_tokens,
-                    batch_size=batch_size)
-    return r["acc"], r["length"]

@@ -31,9 +31,12 @@ from .rollout import greedy_eval
 from .rundir import share_like_umask, writing
 from .tasks import TASK_VERSION, build_task, eval_rewards
 from .tokenizer import train_bpe_tokenizer
+from .update import build_optimizer
 
 #: bump when the SFT procedure changes, so old cache entries are not reused
 SFT_VERSION = 2
+#: AdamW betas of the SFT warm start (its own schedule; the RL steps use ADAMW_BETAS)
+SFT_BETAS = (0.9, 0.98)
 
 _KEY_FIELDS = ("model_path", "arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                "max_positions", "task", "task_seed", "train_size", "eval_size", "max_number", "min_steps",
@@ -151,7 +154,7 @@ def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
     check_lengths(cfg, model, prompts, ev_prompts)  # before the SFT steps, not after them
     sols = [ids + [tok.eos_token_id] for ids in tok(targets, add_special_tokens=False).input_ids]
     order: list[int] = []
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=(0.9, 0.98))
+    opt = build_optimizer(model.parameters(), lr=cfg.sft_lr, weight_decay=0.01, betas=SFT_BETAS)
     warm = max(1, cfg.sft_steps // 20)
 
     def lr_at(s):  # linear warmup, cosine decay to 10%

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .._validate import check_choice
+
 
 #: bump when the generated problems change (part of the SFT cache key)
 TASK_VERSION = 2
@@ -154,16 +156,14 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 
 def get_reward(spec: str) -> Callable[[str, str], float]:
     """A reward by registry name (``answer``) or import path ``package.module:function``."""
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" in spec:
+    if ":" in spec and spec not in REWARDS:
         mod, _, fn = spec.partition(":")
         try:
             return getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward: cannot import {spec!r} ({e})") from e
-    raise ValueError(f"reward: unknown reward {spec!r}; valid values are: {', '.join(REWARDS)} "
-                     "or an import path 'module:function'")
+    check_choice("reward", spec, (*REWARDS, "an import path module:function"))
+    return REWARDS[spec]
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -346,16 +346,15 @@ def jsonl_task(train_file: str, eval_file: str | None, *, seed: int, eval_size: 
 
 def build_task(cfg) -> Task:
     """The task named by ``cfg.task`` with its splits (see :class:`pdmask.train.config.TrainConfig`)."""
+    check_choice("task", cfg.task, TASKS)
     if cfg.task == "arithmetic":
         return arithmetic_task(seed=cfg.task_seed, train_size=cfg.train_size, eval_size=cfg.eval_size,
                                max_number=cfg.max_number, min_steps=cfg.min_steps, max_steps=cfg.max_steps)
     if cfg.task == "largest":
         return largest_task(seed=cfg.task_seed, train_size=cfg.train_size, eval_size=cfg.eval_size, shots=cfg.shots)
-    if cfg.task == "jsonl":
-        if not cfg.train_file:
-            raise ValueError("train_file: required when task=jsonl")
-        return jsonl_task(cfg.train_file, cfg.eval_file, seed=cfg.task_seed, eval_size=cfg.eval_size)
-    raise ValueError(f"task: unknown value {cfg.task!r}; valid values are: {', '.join(TASKS)}")
+    if not cfg.train_file:  # jsonl
+        raise ValueError("train_file: required when task=jsonl")
+    return jsonl_task(cfg.train_file, cfg.eval_file, seed=cfg.task_seed, eval_size=cfg.eval_size)
 
 
 #: the task names build_task knows

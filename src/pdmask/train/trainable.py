@@ -36,13 +36,6 @@ def variant(cfg) -> dict:
     return {k: getattr(cfg, k) for k in VARIANT_FIELDS}
 
 
-def describe(cfg) -> str:
-    """``full``, ``top-4 blocks``, ``LoRA r=8``, ``LoRA r=8 in the top 4 blocks``."""
-    if cfg.lora_rank:
-        return f"LoRA r={cfg.lora_rank}" + (f" in the top {cfg.train_blocks} blocks" if cfg.train_blocks else "")
-    return f"top-{cfg.train_blocks} blocks" if cfg.train_blocks else "full"
-
-
 def lora_targets(cfg) -> list[str]:
     return [t.strip() for t in cfg.lora_targets.split(",")]
 
@@ -59,9 +52,30 @@ def import_peft():
     return peft
 
 
-def _blocks(model):
-    from ..batchmask.params import decoder_parts
+def decoder_parts(model: torch.nn.Module):
+    """``(blocks, head, norm)`` of a decoder-only LM: the blocks are ``model.get_decoder().layers``
+    (transformers Llama, Qwen2/Qwen3, Mistral, ...: ``model.model.layers``) or ``model.layers``
+    for a plain module, the head ``model.get_output_embeddings()`` (else ``model.lm_head``),
+    the final norm ``.norm`` of the decoder (or of the model) when there is one. Errors name
+    ``params`` (the batch mask's argument that reads it; ``train_blocks`` here)."""
+    dec = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    blocks = getattr(dec, "layers", None) if dec is not None else None
+    if blocks is None:
+        blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"params: cannot find the decoder blocks of {type(model).__name__} (looked for "
+                         "get_decoder().layers and .layers); pass params='all' or a list of parameter names")
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"params: cannot find the LM head of {type(model).__name__} (looked for "
+                         "get_output_embeddings() and .lm_head); pass params='all' or a list of parameter names")
+    norm = getattr(dec if dec is not None else model, "norm", None)
+    return blocks, head, norm if isinstance(norm, torch.nn.Module) else None
 
+
+def _blocks(model):
     blocks, _head, norm = decoder_parts(model)
     return blocks, norm
 

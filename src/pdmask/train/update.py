@@ -1,12 +1,16 @@
 """One policy update on a rollout batch: the trainer's optimizer, the loss, the step.
 
-- :func:`make_optimizer` — the trainer's AdamW (betas :data:`ADAMW_BETAS`).
+- :func:`build_optimizer` — the one optimizer factory (the trainer's AdamW, betas
+  :data:`ADAMW_BETAS`; the SFT warm start's; the audit's batch steps), with the
+  hyperparameters re-applied after a loaded state; :func:`make_optimizer` — the
+  trainer's, over its trainable parameters.
 - :func:`select` — rows of a rollout batch (a mini-batch) with padding columns trimmed.
 - :func:`compute_loss` — one trainer forward (:func:`trainer_forward`), then the loss
   (:func:`forward_loss`: :func:`pdmask.policy_loss` on the logits, or
   :func:`pdmask.policy_loss_from_hidden` on the final hidden states with
-  ``loss_from=hidden``); for the ``pdm-batch-*`` modes the batch direction is computed on
-  that same forward first (:func:`batch_forward`).
+  ``loss_from=hidden``); a mode that needs more than the logits (the ``pdm-batch-*``
+  modes' batch direction) gets it from its registered :class:`TrainerForward`
+  (:func:`pdmask.train.forwards.register_forward`), on that same forward.
 - :func:`update_step` — loss -> backward -> clip -> optimizer step (one mini-batch).
 
 The training loop (:mod:`.grpo`) and the direction audit's lag steps both update the
@@ -15,30 +19,58 @@ policy with these, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import weakref
 
 import torch
 
-from ..batchmask import DDOT, BatchMask
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_hidden, response_logits
+from .._validate import check_choice
 from ..loss import PolicyLossOutput
-from ..masks import get_mode
 from ..ops import Hidden
-from .config import TrainConfig, effective_is_cap, loss_spec
+from .config import TrainConfig
+from .forwards import forward_for
 from .trainable import trainable_parameters
 
 #: AdamW betas of the built-in trainer (the audit starts its batch step from the same)
 ADAMW_BETAS = (0.9, 0.99)
+#: Optimizers :func:`make_optimizer` makes (the audit's batch step may use any of them).
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def build_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=ADAMW_BETAS, kind: str = "adamw",
+                    state: dict | None = None) -> torch.optim.Optimizer:
+    """An optimizer over ``params``: ``torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+    betas=betas)`` (``kind="adam"``: ``Adam``; ``"sgd"``: ``SGD(params, lr=lr, weight_decay=weight_decay)``).
+
+    ``state``: an ``optimizer.state_dict()`` of the same kind over the same parameters
+    (a training checkpoint's, the audit's lag steps'), loaded from a copy (never changed);
+    its moments are kept and *these* hyperparameters re-applied to every group, since
+    ``load_state_dict`` restores the saved ones. An Adam(W) state given to ``sgd`` is
+    refused, naming ``optimizer_state``."""
+    import copy
+
+    check_choice("optimizer", kind, OPTIMIZERS)
+    params = list(params)
+    if kind == "sgd":
+        if state is not None:
+            raise ValueError("optimizer_state: given with optimizer='sgd'; a saved state is an Adam(W) state")
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if state is not None:
+        opt.load_state_dict(copy.deepcopy(state))  # the moments (cast to the parameters' dtype by torch)
+        for g in opt.param_groups:  # the state's moments, this call's hyperparameters
+            g.update(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    return opt
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The trainer's optimizer over the trainable parameters only (frozen ones carry no
-    AdamW state): ``AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-    weight_decay=cfg.weight_decay, betas=ADAMW_BETAS)``."""
-    return torch.optim.AdamW(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             betas=ADAMW_BETAS)
+    AdamW state): ``build_optimizer(trainable_parameters(model), lr=cfg.lr,
+    weight_decay=cfg.weight_decay)``."""
+    return build_optimizer(trainable_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response_lens: list[int]) -> RolloutBatch:
@@ -60,33 +92,43 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
 
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
+                 validate: bool | None = None, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
     """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
 
     Args:
         model: the trainer's causal LM.
         batch: rollout tokens with the engine's ``log mu_k`` and top-K of mu.
         advantages: (B,) per-sequence advantages (broadcast over the response tokens).
-        cfg: its loss settings (:func:`pdmask.train.config.loss_spec`: mode, estimator,
+        cfg: its loss is ``cfg.loss``, the one :class:`pdmask.PolicyLoss` (mode, estimator,
             thresholds, corrections, the engine's sampling, aggregation; the rollout's
             ``logits`` feed the ``*-full-*`` modes when present); for the ``pdm-batch-*``
             modes also batch_params, batch_method.
-        validate: pass through to ``policy_loss`` (off on the trainer's hot path, where
-            the engine's outputs are known good).
+        validate: replaces ``cfg.loss.validate`` for this call (None: the config's; the
+            trainer's default is off on its hot path, where the engine's outputs are known
+            good).
         optimizer: the optimizer that will take the step this loss is for. Required by
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
-            batch direction, :func:`batch_forward`); ignored by the others.
+            batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
 
     Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached;
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
     """
     adv = advantages.to(batch.sequences.device)
-    if is_batch_mode(cfg.mode):  # loss_from=logits (the config refuses hidden here)
-        logits, extra, more = batch_forward(model, optimizer, batch, adv, cfg, validate=validate)  # (B, T, V)
-        out = loss_spec(cfg, validate=validate)(logits, batch.rollout, adv, **extra)
+    spec = loss_of(cfg, validate)
+    fwd = forward_for(spec.mode)
+    if fwd is not None:  # loss_from=logits (the config refuses hidden here)
+        logits, extra, more = fwd.forward(model, optimizer, batch, adv, cfg, validate=spec.validate)  # (B, T, V)
+        out = spec(logits, batch.rollout, adv, **extra)
         out.metrics.update(more)
         return out
-    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=validate)
+    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=spec.validate)
+
+
+def loss_of(cfg: TrainConfig, validate: bool | None = None):
+    """``cfg.loss``, with ``validate`` in place of its own when given."""
+    if validate is None or validate == cfg.loss.validate:
+        return cfg.loss
+    return dataclasses.replace(cfg.loss, validate=validate)
 
 
 def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tensor:
@@ -98,17 +140,17 @@ def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tenso
 
 
 def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool = False) -> PolicyLossOutput:
+                 validate: bool | None = None) -> PolicyLossOutput:
     """The loss of :func:`trainer_forward`'s output ``x``.
 
-    ``loss_from=logits``: ``loss_spec(cfg)(x, rollout, A)``. ``loss_from=hidden``:
-    ``loss_spec(cfg)(Hidden(x, W), rollout, A)`` with ``W`` the LM-head weight. That
-    is the same loss as ``loss_spec(cfg)(x @ W.T, rollout, A)`` up to rounding, but the
+    ``loss_from=logits``: ``cfg.loss(x, rollout, A)``. ``loss_from=hidden``:
+    ``cfg.loss(Hidden(x, W), rollout, A)`` with ``W`` the LM-head weight. That
+    is the same loss as ``cfg.loss(x @ W.T, rollout, A)`` up to rounding, but the
     (B, T, V) logits are made and reduced in row chunks and never kept for the
     backward. The rollout's full logits, when present (the audit's oracle view), are
     left out there. They feed only the ``*-full-*`` terms, which the config refuses with
     ``loss_from=hidden``."""
-    spec = loss_spec(cfg, validate=validate)
+    spec = loss_of(cfg, validate)
     if cfg.loss_from == "hidden":
         r = batch.rollout if batch.rollout.logits is None else batch.rollout.replace(logits=None)
         return spec(Hidden(x, lm_head_weight(model)), r, advantages)
@@ -131,63 +173,8 @@ def lm_head_weight(model) -> torch.Tensor:
     return head.weight
 
 
-# ------------------------------------------------------------------ pdm-batch-* modes
-#: BatchMask diagnostics logged by the batch modes (as ``batch_<name>``)
-BATCH_METRICS = ("phi", "direction_norm", "outward_frac_out_of_region", "agree_ratio_frac", "agree_pdm_frac")
-
-# one BatchMask per (model, optimizer, settings): it resolves the parameter subset once and
-# remembers method="auto"'s fallback decision
-_MASKERS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def is_batch_mode(mode: str) -> bool:
-    """Whether ``mode`` needs the batch direction (``pdm-batch-*``)."""
-    return DDOT in get_mode(mode).extras
-
-
-def batch_params(cfg: TrainConfig):
-    """``cfg.batch_params`` as :class:`pdmask.batchmask.BatchMask` takes it: ``"all"`` or an int N."""
-    return "all" if cfg.batch_params == "all" else int(cfg.batch_params)
-
-
-def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
-    """The (cached) :class:`pdmask.batchmask.BatchMask` of ``cfg.mode`` for ``model`` and ``optimizer``."""
-    if optimizer is None:
-        raise ValueError(f"optimizer: mode {cfg.mode!r} needs the optimizer that takes the step (its state is "
-                         "the preconditioner of the batch direction); pass optimizer= to compute_loss")
-    mode = get_mode(cfg.mode)
-    key = (id(optimizer), cfg.mode, cfg.batch_params, cfg.batch_method, cfg.estimator, cfg.delta_low,
-           cfg.delta_high, cfg.temperature, effective_is_cap(cfg))
-    hit = _MASKERS.get(model)
-    if hit is not None and hit[0] == key and hit[1]() is optimizer:
-        return hit[2]
-    bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=mode.divergence,
-                   estimator=cfg.estimator, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                   scope="all" if cfg.mode.startswith("pdm-batch-all-") else "region", method=cfg.batch_method,
-                   temperature=cfg.temperature, is_cap=effective_is_cap(cfg))
-    _MASKERS[model] = (key, weakref.ref(optimizer), bm)
-    return bm
-
-
-def batch_forward(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                  validate: bool = False) -> tuple[torch.Tensor, dict, dict]:
-    """The trainer forward of a ``pdm-batch-*`` mode, with the batch direction computed on it.
-
-    At the current parameters and with ``optimizer``'s current state (the preconditioner
-    of the very step the loss is for): one forward (shared with the loss), the backward of
-    Phi, ``P``, one forward-mode pass (:class:`pdmask.batchmask.BatchMask`,
-    ``share_forward=True``). Returns the (B, T, V) logits with their graph, the
-    ``policy_loss`` keywords that apply the mask (``extras``) and the ``batch_*``
-    diagnostics (detached).
-    """
-    bm = batch_masker(model, optimizer, cfg)
-    out = bm(batch.sequences, batch.attention_mask, batch.rollout, advantages, validate=validate, share_forward=True)
-    more = {f"batch_{k}": out.metrics[k] for k in BATCH_METRICS}
-    return out.logits, {"extras": {DDOT: out.ddot}}, more
-
-
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-                cfg: TrainConfig, *, validate: bool = False) -> tuple[PolicyLossOutput, torch.Tensor]:
+                cfg: TrainConfig, *, validate: bool | None = None) -> tuple[PolicyLossOutput, torch.Tensor]:
     """One optimizer step on ``batch``: :func:`compute_loss` -> backward -> clip -> step.
 
     Gradients are clipped to ``cfg.grad_clip`` (global norm; ``<= 0``: no clipping, the

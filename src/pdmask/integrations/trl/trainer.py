@@ -80,6 +80,8 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
         self._pdmask_rollout: Rollout | None = None
+        # the config's one loss spec, built once (as GRPOTrainer reads its sampling settings once)
+        self._pdmask_loss = options.loss_spec(a)
         super().__init__(*args_, **kwargs)
         vocab = getattr(self.model.config.get_text_config(), "vocab_size", None)
         if vocab is not None and a.rollout_top_k > vocab:
@@ -250,8 +252,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             mask = mask & inputs["tool_mask"].bool()
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
         rollout = Rollout(comp, inputs["sampled_logprob"], inputs.get("topk_ids"), inputs.get("topk_logprobs"), mask)
-        # the config's one loss spec (built from self.args each time: they may change between steps)
-        adv, loss_fn = inputs["advantages"], options.loss_spec(a)
+        adv, loss_fn = inputs["advantages"], self._pdmask_loss
         if a.loss_from_hidden:
             T = comp.shape[1]
 

@@ -90,10 +90,30 @@ def registered_names() -> dict[str, tuple[str, str]]:
     """
     out = {}
     for mode in BINARY_MODES + TOPK_MODES:
-        ests = ESTIMATORS if mode.startswith("pdm-") else ("exact",)
+        ests = ESTIMATORS if reads_estimator(mode) else ("exact",)
         for est in ests:
             out[loss_name(mode, est)] = (mode, est)
     return out
+
+
+def reads_estimator(mode) -> bool:
+    """Whether ``mode``'s direction test reads the top-K estimator: asked of the registered
+    mode itself (the statistic its direction reads differs between two estimators), not of
+    its name."""
+    direction = get_mode(mode).direction
+    if direction is None:
+        return False
+    read: list[set] = []
+
+    class Probe(dict):  # records the statistics the direction reads
+        def __getitem__(self, key):
+            read[-1].add(key)
+            return torch.zeros(1)
+
+    for est in ESTIMATORS[:2]:
+        read.append(set())
+        direction(Probe(), est)
+    return read[0] != read[1]
 
 
 @contextlib.contextmanager
@@ -203,17 +223,26 @@ def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregati
         raise e.renamed(f"config.global_batch_info[{key!r}]") from None
 
 
-def policy_loss_spec(mode_name: str, estimator: str, config, loss_agg_mode: str) -> PolicyLoss:
-    """The one :class:`pdmask.PolicyLoss` of a verl call: verl's DPPO fields as the thresholds
-    (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to ``clip_ratio``) and the IS
-    cap (``clip_ratio_c``; not for the smooth modes, whose ratio is the weight),
-    ``config.global_batch_info`` as the aggregation (:func:`aggregation`)."""
+def policy_loss_spec(mode_name: str, estimator: str, config) -> PolicyLoss:
+    """The one :class:`pdmask.PolicyLoss` of a verl loss and actor config: verl's DPPO fields
+    as the thresholds (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to
+    ``clip_ratio``) and the IS cap (``clip_ratio_c``; not for the smooth modes, whose ratio is
+    the weight). The aggregation is each call's (:func:`aggregation`: ``loss_agg_mode`` and
+    ``config.global_batch_info``, passed to :meth:`pdmask.PolicyLoss.from_stats`)."""
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     smooth = get_mode(mode_name).surrogate in SMOOTH_SURROGATES
     return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh),
-                      corrections=Corrections() if smooth else Corrections(is_cap=float(config.clip_ratio_c)),
-                      aggregation=aggregation(loss_agg_mode, config.global_batch_info))
+                      corrections=Corrections() if smooth else Corrections(is_cap=float(config.clip_ratio_c)))
+
+
+def _spec_once(specs: dict, mode_name: str, estimator: str, config) -> PolicyLoss:
+    """:func:`policy_loss_spec`, built once per loss and actor config (verl passes the same
+    config to every call; ``specs`` is the loss's own cache, keyed by the fields read)."""
+    key = (config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio, config.clip_ratio_c)
+    if key not in specs:
+        specs[key] = policy_loss_spec(mode_name, estimator, config)
+    return specs[key]
 
 
 def masked_policy_loss(
@@ -229,6 +258,7 @@ def masked_policy_loss(
     *,
     has_entropy: bool,
     replace_weight: bool = False,
+    spec: PolicyLoss | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """pdmask's loss on verl's (B, T) tensors: :func:`pdmask.loss_from_stats`, the
     core's pipeline (mask, corrections, surrogate, aggregation), with verl's
@@ -242,12 +272,14 @@ def masked_policy_loss(
     in decoupled mode), ``w = rollout_is_weights`` in its place (``is_weights``): verl's token /
     sequence TIS or MIS weight against the same mu (a weight of 0, verl's MIS, masks the
     token). ``M`` from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
+    ``spec``: the loss's :func:`policy_loss_spec`, built once (None: built here).
     """
-    spec = policy_loss_spec(mode_name, estimator, config, loss_agg_mode)
+    spec = policy_loss_spec(mode_name, estimator, config) if spec is None else spec
     weights = {}
     if rollout_is_weights is not None:
         weights["is_weights" if replace_weight else "loss_weights"] = rollout_is_weights
-    out = spec.from_stats(stats, advantages, response_mask, **weights)
+    out = spec.from_stats(stats, advantages, response_mask,
+                          aggregation=aggregation(loss_agg_mode, config.global_batch_info), **weights)
     m = dict(out.metrics)
     m.pop("loss")  # verl reports the loss itself (actor/pg_loss)
     if not has_entropy:
@@ -264,9 +296,9 @@ def masked_policy_loss(
 def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
     """A verl ``PolicyLossFn`` for one pdmask mode (signature as verl calls it)."""
     get_mode(mode_name)
-    if mode_name not in BINARY_MODES + TOPK_MODES:
-        raise ValueError(f"mode: {mode_name!r} cannot be fed by verl; valid: {', '.join(BINARY_MODES + TOPK_MODES)}")
+    check_choice("mode", mode_name, BINARY_MODES + TOPK_MODES)  # the modes verl can feed
     topk = mode_name in TOPK_MODES
+    specs: dict = {}  # the PolicyLoss of each actor config, built once
 
     def policy_loss(
         old_log_prob: torch.Tensor,
@@ -295,7 +327,7 @@ def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
                              f"{tuple(rollout_is_weights.shape)}")
         return masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
                                   loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy,
-                                  replace_weight=topk)
+                                  replace_weight=topk, spec=_spec_once(specs, mode_name, estimator, config))
 
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(mode_name, estimator)
     policy_loss.__doc__ = f"pdmask mode {mode_name!r} (estimator {estimator!r}) as a verl policy loss."
