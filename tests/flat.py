@@ -49,9 +49,9 @@ def specs(**kw) -> dict:
     for arg, fields in groups.items():
         out[arg] = SPEC_CLASS[arg](**fields)
     if out.get("batch_ddot") is not None:  # the batch mask's direction: the per-token extra its modes read
-        import pdmask.batchmask
+        import pdmask.lab.batchmask
 
-        out["extras"] = {pdmask.batchmask.DDOT: out.pop("batch_ddot")}
+        out["extras"] = {pdmask.lab.batchmask.DDOT: out.pop("batch_ddot")}
     out.pop("batch_ddot", None)
     return out
 

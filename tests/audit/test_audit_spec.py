@@ -66,7 +66,7 @@ def test_the_region_deltas_come_from_the_audit_then_the_trainer_then_the_diverge
     (dict(set_=["sampling_top_k=5"]), r"^loss\.sampling: truncated sampling cannot be audited"),
     (dict(set_=["loss_from=hidden"]), r"^loss_from: the audit's steps and oracle read the logits"),
     (dict(step_mode="pdm-batch-topk-kl"), r"^step_mode: 'pdm-batch-topk-kl' needs an external batch direction"),
-    (dict(step_mode="nope"), r"^step_mode: unknown mode 'nope'"),
+    (dict(step_mode="nope"), r"^step_mode: unknown value 'nope'"),
     (dict(set_=["mode=grpo", "dual_clip=3"]), r"^dual_clip: applies to the ppo-clip surrogate"),
 ])
 def test_what_the_audit_cannot_honour_is_refused_in_one_line(kw, msg):

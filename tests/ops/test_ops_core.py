@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pdmask
-import pdmask.batchmask  # noqa: F401  (its modes are every mode too)
+import pdmask.lab.batchmask  # noqa: F401  (its modes are every mode too)
 from tests import flat  # noqa: E402
 
 from _ops_cases import oracle_rows

@@ -84,7 +84,7 @@ def test_the_loss_is_one_policy_loss_set_by_nested_keys_or_short_names(tmp_path)
 def test_loss_errors_name_the_key_as_written():
     for over, msg in [(["delta_high=0"], r"^delta_high: must be a positive number"),
                       (["loss.thresholds.delta_high=0"], r"^loss\.thresholds\.delta_high: must be a positive number"),
-                      (["loss.mode=nope"], r"^loss\.mode: unknown mode 'nope'"),
+                      (["loss.mode=nope"], r"^loss\.mode: unknown value 'nope'"),
                       (["loss.sampling.top_p=0"], r"^loss\.sampling\.top_p: "),
                       (["loss.thresholds.delta_lo=1"],
                        r"^loss\.thresholds\.delta_lo: unknown config key .*did you mean loss\.thresholds\.delta_low"),

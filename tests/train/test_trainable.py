@@ -316,7 +316,7 @@ def test_the_audit_of_a_lora_run_gives_its_engine_the_merged_weights(tmp_path, c
     (["loss_from=both"], "loss_from: unknown value 'both'; valid values are: logits, hidden"),
     (["loss_from=hidden", "full_logits=true"], "loss_from: hidden takes no rollout logits"),
     (["loss_from=hidden", "full_logits=true", "mode=pdm-full-kl"], "loss_from: hidden takes no rollout logits"),
-    (["loss_from=hidden", "mode=pdm-batch-topk-kl"], "loss_from: mode 'pdm-batch-topk-kl' computes its batch"),
+    (["loss_from=hidden", "mode=pdm-batch-topk-kl"], "loss_from: mode 'pdm-batch-topk-kl' computes its ddot_batch"),
 ])
 def test_bad_values_are_one_line_naming_the_key(over, msg):
     with pytest.raises(ValueError) as e:

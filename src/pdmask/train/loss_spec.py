@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..corrections import FIELDS as CORRECTION_FIELDS
+from .._validate import SpecError
 from ..loss import PolicyLoss
 from ..masks import get_mode
 
@@ -130,14 +131,18 @@ def spec_fields_of(obj) -> dict[str, Any]:
 
 
 def _renamed(e: ValueError, names: Mapping) -> ValueError:
-    """A spec's error with its field named as the config key it came from."""
-    msg = str(e)
-    field_ = getattr(e, "field", None) or msg.partition(":")[0].strip()
-    path = field_ if field_ in loss_leaves() else {p.rsplit('.', 1)[-1]: p for p in loss_leaves()}.get(field_)
+    """A spec's error (:class:`pdmask.SpecError`, which names its field) with the field named as
+    the config key it came from; another error as it is. An unknown mode adds where the modes
+    a package registers come from (the ``pdm-batch-*`` modes: :mod:`pdmask.lab.batchmask`)."""
+    if not isinstance(e, SpecError):
+        return e
+    path = e.field if e.field in loss_leaves() else {p.rsplit('.', 1)[-1]: p for p in loss_leaves()}.get(e.field)
     if path is None:
-        return ValueError(msg)
-    rest = msg.partition(":")[2] if msg.startswith(f"{field_}:") else f" {msg}"
-    return ValueError(f"{names.get(path) or key_of(path)}:{rest}")
+        return e
+    if path == "mode" and e.problem.startswith("unknown value"):
+        e = SpecError(e.field, f"{e.problem} (a package's own modes are registered when it is imported: "
+                               "pdmask.lab.batchmask for pdm-batch-*, which the pdmask command line imports)")
+    return e.renamed(names.get(path) or key_of(path))
 
 
 def key_of(path: str) -> str:
