@@ -29,6 +29,9 @@ def test_with_k_equal_to_v_the_tail_is_empty_and_topk_kl_is_the_full_kl(doc):
         assert 0.0 <= s["finished"] <= 1.0 and 0 < s["response_length"] <= 6
         q = [s["topk_kl"][k] for k in ("q10", "q25", "q50", "q75", "q90", "q95", "q99")]
         assert q == sorted(q)
+        # |pi_k - mu_k| (DRPO's distance) is at most 1 and at most the full TV
+        tv = [s["binary_tv"][k] for k in ("q10", "q50", "q90", "q99")]
+        assert tv == sorted(tv) and 0.0 <= tv[0] and tv[-1] <= 1.0
     # fp32 engine at the trainer's weights: no mismatch
     assert max(doc["precisions"]["fp32"][k]["mean"] for k in ("full_kl", "topk_kl")) < 1e-5
 
@@ -39,6 +42,7 @@ def test_written_files(doc, tmp_path):
     assert j["command"] == "pdmask task-stats --batches 2" and set(j["precisions"]) == {"fp32", "fp8-bf16"}
     md = files[1].read_text()
     assert md == task_stats_md(doc, "pdmask task-stats --batches 2") and "| groups with A != 0 |" in md
+    assert "| binary_tv, q90 |" in md
 
 
 def test_batches_must_be_positive():

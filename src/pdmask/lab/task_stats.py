@@ -58,7 +58,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
     for prec in precisions:
         engine = build_engine(replace(cfg, engine_precision=prec), policy, S.tokenizer)
         rows = {k: [] for k in ("reward", "flat", "ended", "length", "tail", "entropy", "topk_kl", "full_kl",
-                                "binary_kl")}
+                                "binary_kl", "binary_tv")}
         t1 = time.time()
         for i in range(batches):
             idx = [int(j) for j in torch.randperm(n_train, generator=torch.Generator().manual_seed(i))[
@@ -78,7 +78,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             rows["length"].append(m.sum(1).float().numpy())
             rows["tail"].append(tail[m].numpy())
             rows["entropy"].append(st["entropy"][m].numpy())
-            for k in ("topk_kl", "full_kl", "binary_kl"):
+            for k in ("topk_kl", "full_kl", "binary_kl", "binary_tv"):
                 rows[k].append(st[k][m].double().numpy())
         r = {k: np.concatenate(v) for k, v in rows.items()}
         out["precisions"][prec] = {
@@ -87,7 +87,8 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             "finished": float(r["ended"].mean()), "response_length": float(r["length"].mean()),
             "tail_beyond_topk": _dist(r["tail"]), "tail_over_1pct": float((r["tail"] > 0.01).mean()),
             "entropy": _dist(r["entropy"]), "topk_kl": _dist(r["topk_kl"]), "full_kl": _dist(r["full_kl"]),
-            "binary_kl": _dist(r["binary_kl"]), "wall_s": round(time.time() - t1, 1)}
+            "binary_kl": _dist(r["binary_kl"]), "binary_tv": _dist(r["binary_tv"]),
+            "wall_s": round(time.time() - t1, 1)}
     from ..train.environment import environment
 
     out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.loss.sampling.temperature,
@@ -125,6 +126,9 @@ def task_stats_md(doc: dict, command: str) -> str:
         row(f"{k}, mean", lambda s, k=k: f"{s[k]['mean']:.3g}")
     for q in QUANTILES:
         row(f"topk_kl, q{int(q * 100)}", lambda s, q=q: f"{s['topk_kl'][f'q{int(q * 100)}']:.3g}")
+    if all("binary_tv" in doc["precisions"][p] for p in precs):  # |pi_k - mu_k|: DRPO's distance (pages since 2026-12-02)
+        for q in QUANTILES:
+            row(f"binary_tv, q{int(q * 100)}", lambda s, q=q: f"{s['binary_tv'][f'q{int(q * 100)}']:.3g}")
     row("wall time (s)", lambda s: f"{s['wall_s']}")
     return "\n".join(L) + "\n"
 
