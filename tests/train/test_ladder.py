@@ -53,6 +53,20 @@ def test_plan_order_and_cell_configs(tmp_path, smoke_config):
     assert len(plan_cells(spec, tmp_path / "out", ["lag"])) == 6
 
 
+def test_mode_set_overrides_one_modes_cells_last(tmp_path, smoke_config):
+    """``mode_set``: a mode's own overrides (its threshold on its own scale) win over the
+    spec's and the rung's, in that mode's cells only."""
+    p = write_spec(tmp_path / "s.yaml", smoke_config, extra=["drpo"])
+    s = yaml.safe_load(p.read_text())
+    s["set"]["delta_low"] = s["set"]["delta_high"] = 0.02
+    s["mode_set"] = {"drpo": {"delta_low": 0.1, "delta_high": 0.1}}
+    p.write_text(yaml.safe_dump(s))
+    cells = {c.key: c.cfg for c in plan_cells(load_spec(p), tmp_path / "out")}
+    th = {k: (c.loss.thresholds.delta_low, c.loss.thresholds.delta_high) for k, c in cells.items()}
+    assert th["lag/drpo-s0"] == th["lag/drpo-s1"] == (0.1, 0.1)
+    assert {v for k, v in th.items() if "drpo" not in k} == {(0.02, 0.02)}
+
+
 @pytest.mark.parametrize("edit,overrides,msg", [
     (lambda s: s.update(modes=["none", "dppo-topk"]), [], "modes: unknown value 'dppo-topk'; valid values are: grpo"),
     (lambda s: s.update(bogus=1), [], "spec: unknown key 'bogus'"),
@@ -62,6 +76,10 @@ def test_plan_order_and_cell_configs(tmp_path, smoke_config):
     (lambda s: s["rungs"][1]["set"].update(sync_every=0), [], "rung lag: sync_every: must be >= 1"),
     (lambda s: None, ["sync_every=4"], "sync_every: set by the ladder's rungs \\(lag\\)"),
     (lambda s: s.update(collapse_drop=0), [], "collapse_drop: must lie in"),
+    (lambda s: s.update(mode_set={"drpo": {"delta_low": 0.1}}), [], "mode_set: 'drpo' is not a mode of this ladder"),
+    (lambda s: s.update(mode_set={"none": {"seed": 1}}), [], "mode_set.none: 'seed' is set by the ladder"),
+    (lambda s: s.update(mode_set={"none": {"lr": 1e-3}}), ["lr=2e-3"], "lr: set by the ladder's rungs \\(mode_set.none\\)"),
+    (lambda s: s.update(mode_set=[1]), [], "mode_set: expected a mapping"),
 ])
 def test_bad_specs_are_refused_naming_the_key(tmp_path, smoke_config, edit, overrides, msg):
     p = write_spec(tmp_path / "s.yaml", smoke_config)

@@ -14,6 +14,7 @@ The ladder is described by a YAML spec (``configs/ladder.yaml``)::
     reference: dppo-topk-kl          # paired differences are taken against this mode
     collapse_drop: 0.15              # a run collapsed if its worst drop >= this (or it ends below step 0)
     set: {}                          # overrides for every run of the ladder
+    mode_set: {drpo: {delta_low: 0.1, delta_high: 0.1}}   # overrides for one mode's runs (its own scale)
     rungs:
       - {name: fp32, label: fp32, set: {engine_precision: fp32}}
       - {name: fp8-sync8, set: {engine_precision: fp8-bf16, sync_every: 8}, extra_modes: [pdm-batch-topk-kl]}
@@ -53,7 +54,8 @@ from ..train.loss_spec import loss_path
 #: The ladder's own record in OUT: every invocation and cell, fresh or resumed, with its wall time.
 LADDER_LOG = "ladder_log.jsonl"
 
-_SPEC_KEYS = ("name", "config", "modes", "seeds", "seed0", "reference", "collapse_drop", "set", "rungs", "out")
+_SPEC_KEYS = ("name", "config", "modes", "seeds", "seed0", "reference", "collapse_drop", "set", "mode_set", "rungs",
+              "out")
 _RUNG_KEYS = ("name", "label", "family", "config", "set", "extra_modes")
 
 
@@ -80,6 +82,9 @@ class LadderSpec:
     rungs: list[Rung]
     out: str = "runs/ladder"
     cli_set: dict = field(default_factory=dict)  #: command-line overrides (every run)
+    #: per-mode overrides, applied last (a mode whose threshold is on another scale than the
+    #: others', e.g. DRPO's |pi_k - mu_k| next to the top-K KL's delta)
+    mode_set: dict = field(default_factory=dict)
 
     def rung(self, name: str) -> Rung:
         for r in self.rungs:
@@ -194,8 +199,17 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
         raise ValueError(f"seeds: must be >= 1, got {n_seeds}")
     cli = dict(parse_override(o) for o in (overrides or []))
     _overrides(cli, "overrides")
+    mode_set = d.get("mode_set") or {}
+    if not isinstance(mode_set, dict):
+        raise ValueError(f"mode_set: expected a mapping of mode: {{config key: value}}, got {mode_set!r}")
+    mode_set = {m: _overrides(v, f"mode_set.{m}") for m, v in mode_set.items()}
+    known = {m for r in rungs for m in r.extra_modes} | set(_modes_list(d["modes"], "modes"))
+    for m in mode_set:
+        if m not in known:
+            raise ValueError(f"mode_set: {m!r} is not a mode of this ladder; its modes are: {', '.join(sorted(known))}")
     for k in cli:
         setters = [r.name for r in rungs if canonical_key(k) in {canonical_key(x) for x in r.set}]
+        setters += [f"mode_set.{m}" for m, v in mode_set.items() if canonical_key(k) in {canonical_key(x) for x in v}]
         if setters:
             raise ValueError(f"{k}: set by the ladder's rungs ({', '.join(setters)}); change it in the spec, "
                              f"not on the command line")
@@ -204,7 +218,7 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
         modes=_modes_list(modes if modes is not None else d["modes"], "modes"),
         seeds=n_seeds, seed0=int(d.get("seed0", 0)), reference=str(d.get("reference", "dppo-topk-kl")),
         collapse_drop=float(d.get("collapse_drop", 0.15)), set=_overrides(d.get("set"), "set"),
-        rungs=rungs, out=str(d.get("out", f"runs/{p.stem}")), cli_set=cli)
+        rungs=rungs, out=str(d.get("out", f"runs/{p.stem}")), cli_set=cli, mode_set=mode_set)
     if not 0 < spec.collapse_drop <= 1:
         raise ValueError(f"collapse_drop: must lie in (0, 1], got {spec.collapse_drop}")
     plan_cells(spec, Path(spec.out))  # every cell's config validates now, before anything runs
@@ -213,8 +227,10 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
 
 # ------------------------------------------------------------------ cells
 def cell_config(spec: LadderSpec, rung: Rung, mode: str, seed: int, out: Path) -> TrainConfig:
-    """The run config of one cell: rung preset < spec ``set`` < command line < rung ``set``."""
-    values = [*spec.set.items(), *spec.cli_set.items(), *rung.set.items()]  # later wins, whatever the spelling
+    """The run config of one cell: rung preset < spec ``set`` < command line < rung ``set`` <
+    the spec's ``mode_set`` of the cell's mode."""
+    values = [*spec.set.items(), *spec.cli_set.items(), *rung.set.items(),  # later wins, whatever the spelling
+              *spec.mode_set.get(mode, {}).items()]
     try:
         cfg = load_config(rung.config, values)
         return replace(cfg, {"loss.mode": mode}, seed=seed, name=f"{mode}-s{seed}", out_dir=str(out / rung.name),
