@@ -226,6 +226,8 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True, comm
     ``command``, the command line that writes it, is named at the page's top."""
     from .ladder import plan_cells
     from .ladder_pooled import pooled_vs_reference
+    from .regime import DEFINITIONS as BREAK_DEFINITIONS
+    from .regime import GUARD, UNGUARDED, rung_breaks
     from .report import load_summaries, plot_curve_bands, plot_eval_bands, write_summary
     from .seed_summary import seed_summary
 
@@ -272,6 +274,9 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True, comm
         ref_coll = ({int(s): collapsed(r["worst_drop"], r["eval_final"], extras[(spec.reference, int(s))]["eval_step0"],
                                        spec.collapse_drop) for s, r in ref["runs"].items()} if ref else {})
         entry["modes"] += [_mode_row(m, by_mode[m], extras, ref_coll, spec) for m in order]
+        breaks = rung_breaks(runs, spec.reference)
+        if breaks is not None:  # runs that log the finish rate (since 2026-12-02)
+            entry["breaks"] = breaks
     rep = json_safe({"name": spec.name, "command": command, "reference": spec.reference,
                      "collapse_drop": spec.collapse_drop,
                      "seeds_planned": spec.seeds, "modes": spec.modes, "rungs": rungs, "notes": notes,
@@ -280,6 +285,10 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True, comm
                      # the report's process; the runs' own environments (distinct ones, with their runs) follow
                      "environment": environment(),
                      "runs_environments": runs_environments(all_runs)})
+    if any(r.get("breaks") for r in rungs):
+        rep["definitions"]["break"] = ("a run breaks on any of: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                          BREAK_DEFINITIONS.items())
+                                       + f". A rung breaks when {UNGUARDED} breaks on a seed and {GUARD} on none")
     rep["pooled"] = json_safe(pooled_vs_reference(rep, n_boot=N_BOOT))
     (out / "ladder.json").write_text(json.dumps(rep, indent=2, default=str))
     (out / "ladder.md").write_text(ladder_markdown(rep))
@@ -458,6 +467,12 @@ def ladder_markdown(rep: dict) -> str:
               "## Final held-out accuracy (collapsed runs / seeds)", "", _md(*rows["wide"]), "",
               "## Per rung and mode", "", _md(*rows["modes"]), ""]
     lines += [f"- {x}" for x in resolution_lines(rep)]
+    if any(r.get("breaks") for r in rep["rungs"]):
+        from .regime import breaks_rows
+
+        lines += ["", "## Where runs break", "", "Each run's curves against the signs a practitioner would stop a "
+                  "run for (definition `break` below; `pdmask.lab.regime`): per seed, the criteria met and the "
+                  "RL step each was first met.", "", _md(*breaks_rows(rep))]
     if rep.get("pooled"):
         lines += ["", "## Pooled over rungs, clustered by seed", "",
                   f"Per seed, the mean over the rungs where both ran of (mode - {rep['reference']}) final "

@@ -159,10 +159,13 @@ BAND_PANELS = [
     ("response_length", "Response length", "tokens", 3, False),
     ("mismatch_topk_kl", "Engine-trainer mismatch", "top-K KL(mu || pi)", 3, True),
 ]
+#: a panel added when the runs log it (since 2026-12-02; older records have no finish rate)
+FINISH_PANEL = ("finish_rate", "Answers that end (finish rate)", "share of responses", 3, False)
 
 
 def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
-    """``curves_bands.png``: one panel per :data:`BAND_PANELS` metric; per mode the mean
+    """``curves_bands.png``: one panel per :data:`BAND_PANELS` metric (and :data:`FINISH_PANEL`
+    when the runs log it); per mode the mean
     over seeds with its min-max band over seeds (each seed smoothed first)."""
     import matplotlib
 
@@ -172,8 +175,10 @@ def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     records = {r: read_jsonl(r / "metrics.jsonl") for r in runs}  # read once for every panel
-    fig, axes = plt.subplots(1, len(BAND_PANELS), figsize=(4.2 * len(BAND_PANELS), 3.8))
-    for ax, (key, title, ylabel, w, logy) in zip(axes, BAND_PANELS):
+    panels = BAND_PANELS + ([FINISH_PANEL] if any(x.get("finish_rate") is not None for recs in records.values()
+                                                  for x in recs) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (key, title, ylabel, w, logy) in zip(axes, panels):
         for gi, (g, b) in enumerate(eval_bands(runs, key, w, records).items()):
             if not b["steps"]:
                 continue

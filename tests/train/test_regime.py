@@ -1,0 +1,105 @@
+"""The break criteria of the regime sweep (pdmask.lab.regime) on constructed curves: each
+criterion fires at the step its definition names, a steady run meets none, and the rung's
+verdict and the paired test read the per-seed outcomes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pdmask.lab import regime
+from pdmask.lab.significance import mcnemar_exact
+
+
+def recs(n=12, *, entropy=1.0, finish=0.9, length=20.0, mismatch=0.01, evals=None, **over):
+    """``n`` steps of steady curves; ``over``: {metric: {step: value}} replaces single steps."""
+    out = [{"step": 0, "eval_accuracy": 0.3}]
+    for s in range(1, n + 1):
+        r = {"step": s, "entropy_mean": entropy, "finish_rate": finish, "response_length": length,
+             "mismatch_topk_kl": mismatch}
+        for k, by_step in over.items():
+            if s in by_step:
+                r[k] = by_step[s]
+        if evals and s in evals:
+            r["eval_accuracy"] = evals[s]
+        out.append(r)
+    return out
+
+
+def judge(r, **kw):
+    return regime.judge(r, mode=kw.get("mode", "none"), seed=kw.get("seed", 0), max_new_tokens=48, sync_every=3)
+
+
+def test_a_steady_run_meets_no_criterion():
+    j = judge(recs(evals={6: 0.5, 12: 0.45}))  # a drop of 0.05: not 0.15
+    assert not j.broken and j.broke == {}
+
+
+@pytest.mark.parametrize("over, evals, want", [
+    ({}, {4: 0.6, 8: 0.50, 12: 0.44}, {"accuracy": 12}),  # 0.6 -> 0.44: 0.16 below the best
+    ({"entropy_mean": {s: 0.2 for s in range(6, 13)}}, None, {"entropy": 8}),  # moving mean of 6-8 first < 0.25
+    ({"entropy_mean": {s: 2.5 for s in range(9, 13)}}, None, {"entropy": 11}),  # > 2x the start
+    ({"finish_rate": {s: 0.3 for s in range(5, 13)}}, None, {"ending": 7}),  # < 0.5 x 0.9
+    ({"response_length": {s: 47.0 for s in range(10, 13)}}, None, {"ending": 12}),  # >= 0.95 x 48
+    ({"mismatch_topk_kl": {s: 0.1 for s in range(7, 13)}}, None, {"mismatch": 8}),  # cycle mean > 4 x 0.01
+])
+def test_each_criterion_fires_at_its_first_step(over, evals, want):
+    j = judge(recs(evals=evals, **over))
+    assert j.broke == want and j.broken
+
+
+def test_a_dip_inside_the_first_three_steps_is_the_start_not_a_break():
+    # the start is the mean of steps 1-3, the test runs from step 4 (moving mean of 2-4 onward)
+    j = judge(recs(finish_rate={1: 0.2}))
+    assert "ending" not in j.broke
+
+
+def test_records_without_the_finish_rate_are_not_judged():
+    r = recs()
+    for x in r:
+        x.pop("finish_rate", None)
+    assert judge(r) is None
+
+
+def _run(tmp_path, name, mode, seed, r):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump({"loss": {"mode": mode}, "seed": seed, "max_new_tokens": 48,
+                                                   "sync_every": 3}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in r))
+    return d
+
+
+def test_rung_verdict_and_the_paired_test(tmp_path):
+    broke = recs(finish_rate={s: 0.1 for s in range(4, 13)})
+    runs = [_run(tmp_path, f"none-s{s}", "none", s, broke) for s in range(3)]
+    runs += [_run(tmp_path, f"dppo-topk-kl-s{s}", "dppo-topk-kl", s, recs()) for s in range(3)]
+    out = regime.rung_breaks(runs, "dppo-topk-kl")
+    assert out["verdict"] == "breaks"
+    none, dppo = out["modes"]["none"], out["modes"]["dppo-topk-kl"]
+    assert (none["k"], none["n"], dppo["k"]) == (3, 3, 0)
+    assert none["vs_reference"] == {"reference": "dppo-topk-kl", "n": 3, "only_mode": 3, "only_reference": 0,
+                                    "p": mcnemar_exact(3, 0)}
+    assert none["finish_start"] == pytest.approx(0.9) and none["finish_end"] == pytest.approx(0.1)
+    # the guard breaking too, and a stable unguarded run
+    runs.append(_run(tmp_path, "dppo-topk-kl-s3", "dppo-topk-kl", 3, broke))
+    assert regime.rung_breaks(runs, "dppo-topk-kl")["verdict"] == "both break"
+    assert regime.verdict({"none": {"k": 0}}) == "stable" and regime.verdict({"none": {"k": 1}}) == "no guard run"
+    # a flat-keys config (run directories written before the nested loss spec) reads too
+    old = _run(tmp_path, "old", "x", 0, broke)
+    (old / "config.yaml").write_text(yaml.safe_dump({"mode": "none", "seed": 5, "max_new_tokens": 48}))
+    j = regime.judge_run(old)
+    assert (j.mode, j.seed, j.broken) == ("none", 5, True)
+
+
+def test_the_report_table_has_one_row_per_rung_and_mode(tmp_path):
+    runs = [_run(tmp_path, "none-s0", "none", 0, recs(finish_rate={s: 0.1 for s in range(4, 13)})),
+            _run(tmp_path, "dppo-topk-kl-s0", "dppo-topk-kl", 0, recs())]
+    rep = {"reference": "dppo-topk-kl", "rungs": [{"name": "hot", "breaks": regime.rung_breaks(runs, "dppo-topk-kl")},
+                                                  {"name": "old", "modes": []}]}
+    h, rows = regime.breaks_rows(rep)
+    assert h[-1] == "Δ broke vs dppo-topk-kl (McNemar)" and len(rows) == 2
+    assert rows[0][:5] == ["hot", "breaks", "none", "1/1 [0.02, 1.00]", "s0: ending @5"]  # 0.025 in float: 0.0249..
+    assert rows[1][2:5] == ["dppo-topk-kl", "0/1 [0.00, 0.98]", "s0: -"]
