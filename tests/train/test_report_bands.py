@@ -91,3 +91,16 @@ def test_report_rebuilds_the_summary_in_a_compare_dir(compare_dir, tmp_path, cli
     one = json.loads((out / "summary.json").read_text())["across_seeds"]
     assert [e["group"] for e in one["groups"]] == ["none"] and one["groups"][0]["n_seeds"] == 1
     assert one["notes"] == ["No paired differences: the reference mode dppo-topk-kl is not among the runs."]
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "not a readable JSON summary"), ("[1, 2]", "holds a list")])
+def test_a_damaged_summary_is_named_in_one_line(compare_dir, text, says):
+    """A run's damaged summary.json is refused naming the file, not a JSONDecodeError traceback."""
+    from pdmask.lab.report import load_summaries
+
+    runs = runs_of(compare_dir)
+    bad = runs[1] / "summary.json"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=f"{bad}: {says}") as e:
+        load_summaries(runs)
+    assert "\n" not in str(e.value)

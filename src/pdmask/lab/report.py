@@ -294,7 +294,15 @@ def load_summaries(runs: list[Path]) -> list[dict]:
     for r in runs:
         p = r / "summary.json"
         if p.exists():
-            out.append(json.loads(p.read_text()))
+            try:
+                s = json.loads(p.read_text())
+            except (OSError, ValueError) as e:  # a damaged file is named, never a traceback wall
+                raise ValueError(f"{p}: not a readable JSON summary ({type(e).__name__}: {e}); delete it to "
+                                 "recompute it from metrics.jsonl") from None
+            if not isinstance(s, dict):
+                raise ValueError(f"{p}: holds a {type(s).__name__}, not a JSON object; delete it to recompute it "
+                                 "from metrics.jsonl")
+            out.append(s)
         else:
             cfg = load_config(r / "config.yaml") if (r / "config.yaml").exists() else None
             if cfg is not None:
