@@ -91,12 +91,13 @@ def main(argv=None) -> None:
     # fresh model is near uniform, so the preset's delta would leave O empty)
     st = pdmask.token_stats(response_logits(model, ids, am, P).detach(), rollout, sampling=sampling)
     delta = float(st["topk_kl"][batch["response_mask"]].quantile(0.8))
-    kw = dict(temperature=sampling.temperature, is_cap=cfg.loss.corrections.is_cap, delta_low=delta, delta_high=delta)
+    thresholds = pdmask.Thresholds(delta, delta)
+    kw = dict(sampling=sampling, is_cap=cfg.loss.corrections.is_cap, thresholds=thresholds)
 
     def dppo():
         logits = response_logits(model, batch["input_ids"], batch["attention_mask"], P)
         out = pdmask.policy_loss(logits, rollout, adv, mode="dppo-topk-kl", validate=False,
-                                 thresholds=pdmask.Thresholds(delta, delta), sampling=sampling,
+                                 thresholds=thresholds, sampling=sampling,
                                  corrections=cfg.loss.corrections)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

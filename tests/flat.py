@@ -109,11 +109,19 @@ def mask_args(*args, **kw):
     return (ids, am, r, kw.pop("advantages")), kw
 
 
+#: the spec arguments the batch mask takes (its ``chunk_size`` is a keyword of its own)
+BATCH_SPECS = ("thresholds", "sampling")
+
+
 def batch_mask(model, *args, **kw):
+    """The batch mask with its flat keywords (``delta_low``, ``temperature``) packed into
+    :class:`pdmask.Thresholds` / :class:`pdmask.Sampling`."""
     pos, rest = mask_args(*args, **kw)
     from pdmask.lab.batchmask import batch_mask as lab_batch_mask
 
-    return lab_batch_mask(model, *pos, **rest)
+    packed = {k: v for k, v in rest.items() if SPEC_OF.get(k, ("",))[0] in BATCH_SPECS}
+    rest = {k: v for k, v in rest.items() if k not in packed}
+    return lab_batch_mask(model, *pos, **rest, **specs(**packed))
 
 
 def call_mask(bm, *args, **kw):

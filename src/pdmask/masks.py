@@ -77,6 +77,11 @@ class Thresholds:
         return Thresholds(dl, dh, self.eps_low, self.eps_high, self.dual_clip)
 
 
+def resolve_thresholds(thresholds: Thresholds | None, mode: MaskMode) -> Thresholds:
+    """``thresholds`` with the mode's default deltas where they give none (None: all of them)."""
+    return (Thresholds() if thresholds is None else thresholds).resolve(mode)
+
+
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
 #: Surrogates a mode may name (see :func:`token_loss`).
 SURROGATES = ("dppo", "ppo-clip", "drpo", "spo", "smooth")
@@ -282,8 +287,7 @@ def smooth_weight(stats: Stats, advantages: torch.Tensor, mode, *, estimator: st
         raise SpecError("mode", f"{mode.name!r} uses the {mode.surrogate} surrogate, which has no smooth weight; "
                                 f"the smooth ones are: {', '.join(SMOOTH_SURROGATES)}")
     check_choice("estimator", estimator, ESTIMATORS)
-    return _smooth_weight(stats, advantages, mode, estimator, (Thresholds() if thresholds is None else thresholds)
-                          .resolve(mode))
+    return _smooth_weight(stats, advantages, mode, estimator, resolve_thresholds(thresholds, mode))
 
 
 def _smooth_weight(stats: Stats, advantages, mode: MaskMode, estimator: str, th: Thresholds) -> torch.Tensor:
@@ -304,8 +308,7 @@ def mask_from_stats(stats: Stats, advantages: torch.Tensor, mode, *, estimator: 
     mode's defaults). A smooth surrogate keeps every token and carries its :func:`smooth_weight`."""
     mode = get_mode(mode)
     check_choice("estimator", estimator, ESTIMATORS)
-    return decide(stats, advantages, mode, estimator, (Thresholds() if thresholds is None else thresholds)
-                  .resolve(mode))
+    return decide(stats, advantages, mode, estimator, resolve_thresholds(thresholds, mode))
 
 
 def decide(stats: Stats, advantages: torch.Tensor, mode: MaskMode, estimator: str, thresholds: Thresholds) -> MaskResult:

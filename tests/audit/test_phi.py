@@ -60,7 +60,7 @@ def _explicit_phi(model, rb, adv_bt, cfg, state, O, divergence="topk_kl"):
 
 def test_leave_one_out_equals_two_explicit_steps(setup):
     cfg, model, rb, adv, state = setup
-    ps = PhiStep(model, rb, adv, cfg, state, delta_low=1e-3, delta_high=1e-3)
+    ps = PhiStep(model, rb, adv, cfg, state, thresholds=pdmask.Thresholds(1e-3, 1e-3))
     O = ps.O
     assert 3 <= int(O.sum()) < int(rb.response_mask.sum())
     A = ps.A.clone()
@@ -169,6 +169,24 @@ def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
         main(args + ["--fractions", "0.5,2"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: fractions: each must lie in (0, 1], got [0.5, 2.0]"
+
+
+def test_a_run_stored_with_flat_deltas_resumes(tmp_path):
+    """A settings.json of the version whose settings held O's deltas flat is read in the
+    current terms: the same deltas resume, other deltas are refused."""
+    import json
+
+    from pdmask.lab.audit.phi import PhiRun
+
+    th = {"delta_low": 0.005, "delta_high": 0.005, "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}
+    (tmp_path / "settings.json").write_text(json.dumps({"divergence": "topk_kl", "delta_low": 0.005,
+                                                        "delta_high": 0.005, "fractions": [0.25]}))
+    PhiRun(tmp_path, {"divergence": "topk_kl", "thresholds": th, "fractions": (0.25,)}).open()
+    assert json.loads((tmp_path / "settings.json").read_text())["thresholds"] == th  # now in the current terms
+    (tmp_path / "settings.json").write_text(json.dumps({"divergence": "topk_kl", "delta_low": 0.01,
+                                                        "delta_high": 0.005, "fractions": [0.25]}))
+    with pytest.raises(ValueError, match=r"holds results of other settings \(thresholds\)"):
+        PhiRun(tmp_path, {"divergence": "topk_kl", "thresholds": th, "fractions": (0.25,)}).open()
 
 
 @pytest.mark.usefixtures("one_thread")  # bitwise: the norm is this formula, the same ops, on one thread

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pdmask
+from pdmask.masks import resolve_thresholds
 
 F64 = torch.float64
 
@@ -56,6 +57,13 @@ def test_off_values_are_stored_as_none():
 def test_thresholds_resolve_to_the_modes_default():
     th = pdmask.Thresholds(delta_high=0.3).resolve(pdmask.MODES["pdm-topk-tv"])
     assert (th.delta_low, th.delta_high) == (pdmask.MODES["pdm-topk-tv"].default_delta, 0.3)
+
+
+def test_resolve_thresholds_fills_in_the_modes_defaults():
+    mode = pdmask.MODES["pdm-topk-tv"]
+    assert resolve_thresholds(None, mode) == pdmask.Thresholds().resolve(mode)
+    th = pdmask.Thresholds(0.1, 0.3)
+    assert resolve_thresholds(th, mode) is th
 
 
 @pytest.mark.usefixtures("one_thread")  # bitwise: the same operations in the same order, on one thread

@@ -45,9 +45,8 @@ def _reference(model, opt, batch, adv, cfg, params):
     """batch_mask on its own forward (not shared), with the settings the mode implies."""
     return batch_mask(model, batch.sequences, batch.attention_mask, batch.rollout, adv, params=params, optimizer=opt,
                       divergence="topk_tv" if cfg.loss.mode.endswith("tv") else "topk_kl",
-                      scope="all" if "-all-" in cfg.loss.mode else "region", delta_low=cfg.loss.thresholds.delta_low,
-                      delta_high=cfg.loss.thresholds.delta_high, temperature=cfg.loss.sampling.temperature,
-                      is_cap=cfg.loss.corrections.is_cap)
+                      scope="all" if "-all-" in cfg.loss.mode else "region", thresholds=cfg.loss.thresholds,
+                      sampling=cfg.loss.sampling, is_cap=cfg.loss.corrections.is_cap)
 
 
 @pytest.mark.parametrize("params", ["all", "1"])

@@ -46,7 +46,7 @@ import copy
 import json
 import time
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -54,7 +54,7 @@ import torch
 from ..._validate import check_choice
 from ...engine.hf import response_logits
 from ...loss import aggregate
-from ...masks import divergence_region
+from ...masks import Thresholds, divergence_region
 from ...stats import token_stats
 from ...train.update import build_optimizer
 from ..batchmask import BatchMask
@@ -73,7 +73,9 @@ class PhiSettings:
 
     Attributes:
         divergence: ``topk_kl`` or ``topk_tv``: O, Phi and the batch direction's divergence.
-        delta_low, delta_high: thresholds of O (``D > delta`` by the sign of A).
+        thresholds: O's :class:`pdmask.Thresholds` (``D > delta`` by the sign of A; None: the
+            divergence's default delta on both sides, :func:`phi_thresholds`). The Phi step
+            (mode ``none``) reads their deltas only.
         fractions: masked fractions of |O| for the matched comparison.
         loo_tokens: tokens of O per seed for the leave-one-out (uniform sample).
         loo_outside: active tokens outside O per seed for the leave-one-out.
@@ -82,8 +84,7 @@ class PhiSettings:
     """
 
     divergence: str = "topk_kl"
-    delta_low: float = default_delta("topk_kl")
-    delta_high: float = default_delta("topk_kl")
+    thresholds: Thresholds | None = None
     fractions: tuple = (0.1, 0.25, 0.5)
     loo_tokens: int = 48
     loo_outside: int = 16
@@ -93,9 +94,8 @@ class PhiSettings:
 
     def validate(self) -> "PhiSettings":
         check_choice("divergence", self.divergence, ("topk_kl", "topk_tv"))
-        for k in ("delta_low", "delta_high"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"{k}: must be > 0, got {getattr(self, k)}")
+        if self.thresholds is not None and not isinstance(self.thresholds, Thresholds):
+            raise ValueError(f"thresholds: must be a pdmask.Thresholds (or None), got {type(self.thresholds).__name__}")
         if not self.fractions or not all(0 < f <= 1 for f in self.fractions):
             raise ValueError(f"fractions: each must lie in (0, 1], got {list(self.fractions)}")
         for k in ("loo_tokens", "loo_outside"):
@@ -156,13 +156,13 @@ class PhiStep:
         tcfg: the trainer config: its whole loss spec with mode ``none`` (every token
             updates; :attr:`loss`), lr, weight_decay, grad_clip.
         optimizer_state: the AdamW ``state_dict()`` every step starts from (copied per step).
-        divergence, delta_low, delta_high: O and Phi.
+        divergence, thresholds: O and Phi (:func:`phi_loss`).
     """
 
     def __init__(self, model, rb, advantages, tcfg, optimizer_state: dict | None, *, divergence: str = "topk_kl",
-                 delta_low: float = default_delta("topk_kl"), delta_high: float = default_delta("topk_kl")):
+                 thresholds: Thresholds | None = None):
         self.rb, self.tcfg, self.state, self.divergence = rb, tcfg, optimizer_state, divergence
-        self.loss = phi_loss(tcfg, divergence, (delta_low, delta_high))
+        self.loss = phi_loss(tcfg, divergence, thresholds)
         self.model = copy64(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.theta0 = [p.detach().clone() for p in self.params]
@@ -264,12 +264,22 @@ class PhiStep:
         return out
 
 
-def phi_loss(tcfg, divergence: str, deltas: tuple[float, float]):
+def phi_thresholds(tcfg, divergence: str, delta: float | None = None) -> Thresholds:
+    """O's thresholds as the audit's loss builder makes them: the trainer's, with ``delta`` on
+    both sides (None: the divergence's default, never the trainer's own deltas)."""
+    d = default_delta(divergence) if delta is None else delta
+    return audit_loss(tcfg.loss_fields, deltas=(d, d), divergence=divergence, validate=False).thresholds
+
+
+def phi_loss(tcfg, divergence: str, thresholds: Thresholds | None = None):
     """The Phi step's :class:`pdmask.PolicyLoss`: the trainer's whole loss spec with mode
-    ``none`` and O's deltas (no input checks: the rollout is the engine's own). Refused in
-    one line: truncated sampling (the batch mask scores the untruncated pi) and a weight
-    normalised over the batch (the replays differentiate row slices)."""
-    spec = audit_loss(tcfg.loss_fields, step_mode="none", deltas=deltas, divergence=divergence, validate=False)
+    ``none`` and O's ``thresholds`` (None: :func:`phi_thresholds`; no input checks: the
+    rollout is the engine's own). Refused in one line: truncated sampling (the batch mask
+    scores the untruncated pi) and a weight normalised over the batch (the replays
+    differentiate row slices)."""
+    th = phi_thresholds(tcfg, divergence) if thresholds is None else thresholds
+    spec = replace(audit_loss(tcfg.loss_fields, step_mode="none", divergence=divergence, validate=False),
+                   thresholds=th)
     if spec.sampling.truncated:
         raise ValueError("loss.sampling: truncated sampling is not available in the Phi evaluation: the batch mask "
                          "computes its direction on the untruncated pi")
@@ -299,10 +309,9 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
            "pdm-exact": A * st[ddot_key(settings.divergence, "exact")]}
     rb = ps.rb
     for name, params in [("pdm-batch", "all")] + [(f"pdm-batch-last{n}", n) for n in settings.batch_lasts]:
-        th = ps.loss.thresholds
         bm = BatchMask(ps.model, params=params, optimizer=ps.optimizer(), divergence=settings.divergence,
-                       delta_low=th.delta_low, delta_high=th.delta_high, scope="region",
-                       temperature=ps.loss.sampling.temperature, is_cap=ps.loss.corrections.is_cap, all_tokens=True)
+                       thresholds=ps.loss.thresholds, scope="region", sampling=ps.loss.sampling,
+                       is_cap=ps.loss.corrections.is_cap, all_tokens=True)
         res = bm(rb.sequences, rb.attention_mask, ps._rollout(rb), ps.A)
         if not torch.equal(res.out_of_region, ps.O):  # same statistics, same thresholds: must agree
             raise RuntimeError("pdm-batch: the batch mask's O differs from the evaluation's")
@@ -313,7 +322,7 @@ def scores_of(ps: PhiStep, settings: PhiSettings, seed: int) -> dict:
 def evaluate_seed(model, rb, advantages, tcfg, optimizer_state, settings: PhiSettings, seed: int) -> dict:
     """Everything measured on one seed (JSON-ready; see the module doc)."""
     ps = PhiStep(model, rb, advantages, tcfg, optimizer_state, divergence=settings.divergence,
-                 delta_low=settings.delta_low, delta_high=settings.delta_high)
+                 thresholds=settings.thresholds)
     O, nO = ps.O, int(ps.O.sum())
     rec = {"seed": int(seed), "n_tokens": int(ps.valid.sum()), "n_active": int((ps.valid & (ps.A != 0)).sum()),
            "n_out_of_region": nO, "phi0": ps.phi0}
@@ -345,6 +354,17 @@ def evaluate_seed(model, rb, advantages, tcfg, optimizer_state, settings: PhiSet
 
 
 # ------------------------------------------------------------------ running
+def _in_current_terms(old: dict, new: dict) -> dict:
+    """A stored ``settings.json`` in the current terms: one written before the settings held
+    O's thresholds stored their deltas flat; they go into the current ``thresholds``, whose
+    other fields are the trainer's (compared with its config) and are taken as they are."""
+    if "thresholds" in old or not isinstance(new.get("thresholds"), dict):
+        return old
+    old = dict(old)
+    flat = {k: old.pop(k) for k in list(new["thresholds"]) if k in old}
+    return {**old, "thresholds": {**new["thresholds"], **flat}}
+
+
 @dataclass
 class PhiRun:
     """Where the per-seed results go; a rerun with the same settings skips finished seeds."""
@@ -364,7 +384,7 @@ class PhiRun:
         # compare as JSON reads them back (tuples become lists), else no rerun could ever resume
         self.settings = json.loads(json.dumps(self.settings, default=str))
         if p.exists():
-            old = json.loads(p.read_text())
+            old = _in_current_terms(json.loads(p.read_text()), self.settings)
             diff = sorted(k for k in set(old) | set(self.settings)
                           if old.get(k) != self.settings.get(k) and (tcfg is None or k != "trainer_config"))
             if tcfg is not None:
@@ -392,6 +412,8 @@ def run(tcfg, settings: PhiSettings, *, out, model: str = "", lag: int = 0, seed
     from .source import build_source
 
     settings.validate()
+    if settings.thresholds is None:  # resolved once: settings.json and the report state O's deltas
+        settings = replace(settings, thresholds=phi_thresholds(tcfg, settings.divergence))
     if seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
     run_ = PhiRun(Path(out), {"settings": asdict(settings), "model": model, "lag": lag,
@@ -463,8 +485,7 @@ def main(argv=None) -> None:
             cfg_path = config if config is not None else (
                 Path(model) / "config.yaml" if model and is_run_dir(model) else None)
             tcfg = load_config(cfg_path, list(set_) + ["progress=false"])
-            d = default_delta(divergence) if delta is None else delta
-            settings = PhiSettings(divergence=divergence, delta_low=d, delta_high=d,
+            settings = PhiSettings(divergence=divergence, thresholds=phi_thresholds(tcfg, divergence, delta),
                                    fractions=_floats(fractions, "fractions"), loo_tokens=loo_tokens,
                                    loo_outside=loo_outside, batch_lasts=tuple(int(x) for x in
                                                                               _floats(batch_lasts, "batch_lasts")),

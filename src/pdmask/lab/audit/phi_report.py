@@ -112,10 +112,11 @@ def markdown(doc: dict) -> str:
     from ..significance import format_p
 
     s, st = doc["summary"], doc["settings"]
+    delta = st["thresholds"]["delta_high"]
     lines = ["# Batch-aware mask: the audit of Phi", "",
              f"Command: `{doc['run'].get('command', '')}`", "",
              f"{s['n_seeds']} seeds ({s['n_seeds_with_O']} with out-of-region tokens), {s['n_tokens']:,} response "
-             f"tokens, {s['n_out_of_region']:,} out of region ({st['divergence']} > {st['delta_high']:g}). "
+             f"tokens, {s['n_out_of_region']:,} out of region ({st['divergence']} > {delta:g}). "
              f"Source: {doc['run'].get('kind', '')} {doc['run'].get('run_dir', doc['run'].get('checkpoint', ''))}; "
              f"optimizer state: {doc['run'].get('optimizer_state', '')}.", ""]
     env = doc["run"].get("environment")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .config import AuditConfig
-from ...masks import divergence_region, outward
+from ...masks import delta_by_sign, divergence_region, outward
 from .criteria import CRITERIA, RATIO, criterion_values, entropy_ddot, predictive_name
 from .fidelity import fidelity_counts, summarize_fidelity
 from .steps import Forward, batch_step, copy_in, isolated_param_changes, logit_step_changes, rollout_stats
@@ -173,7 +173,7 @@ def audit_batch(model: torch.nn.Module, forward: Forward, rb, advantages: torch.
         full[chosen] = x.to(F64)
         return full.numpy()
 
-    delta = torch.where(A_o > 0, torch.tensor(th.delta_high, dtype=F64), torch.tensor(th.delta_low, dtype=F64))
+    delta = delta_by_sign(A_o, th.delta_low, th.delta_high)  # (n,) float64: the masks' rule
     tokens = {"seed": np.full(n, int(seed), dtype=np.int64), "b": bt[:, 0].numpy(), "t": bt[:, 1].numpy(),
               "A": A_o.numpy(), "D": D0[sel].double().numpy(), "delta": delta.numpy(),
               **{f"c_{c}": v.double().numpy() for c, v in vals_o.items()}, "hdot": hdot[sel].double().numpy(),

@@ -35,7 +35,7 @@ import torch
 
 from ..._validate import check_choice, check_positive, prepare
 from ...keys import ESTIMATORS, ddot_key
-from ...masks import MODES, MaskMode, Thresholds, divergence_region, get_mode, register_mode
+from ...masks import MODES, MaskMode, Thresholds, divergence_region, get_mode, register_mode, resolve_thresholds
 from ...ops import Compute, Sampling, rows_per_chunk
 from ...rollout import Rollout
 from ...stats import MAX_LOG_RATIO, token_stats
@@ -75,6 +75,16 @@ def _broadcast(advantages, lead: tuple) -> torch.Tensor:
     raise ValueError(f"advantages: expected shape {lead} or ({lead[0]},), got {tuple(advantages.shape)}")
 
 
+def _check_specs(thresholds, sampling) -> None:
+    if thresholds is not None and not isinstance(thresholds, Thresholds):
+        raise ValueError(f"thresholds: must be a pdmask.Thresholds (or None), got {type(thresholds).__name__}")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling: must be a pdmask.Sampling (or None), got {type(sampling).__name__}")
+    if sampling is not None and sampling.truncated:
+        # the direction (out_of_region_divergence, the JVP of log pi) is built on the untruncated pi
+        raise ValueError("sampling: the batch mask scores the untruncated pi; top_k / top_p / min_p are not available")
+
+
 SCOPES = ("region", "all")
 METHODS = ("auto", "jvp", "double-backward")
 
@@ -85,8 +95,8 @@ class BatchMaskOutput:
     ``ddot`` (``<grad log pi_t, P grad Phi>``; 0 on padding), ``c`` (``A w ddot``: the
     first-order change of Phi per unit learning rate from token t's own update),
     ``out_of_region`` (bool, O). ``metrics``: dict of detached scalars. ``mode``,
-    ``delta_low``, ``delta_high``: the :func:`pdmask.policy_loss` settings that reproduce
-    the mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"``, ``"jvp-top"`` (forward mode
+    ``thresholds`` (resolved): the :func:`pdmask.policy_loss` settings that reproduce the
+    mask (see :meth:`loss_kwargs`). ``method``: ``"jvp"``, ``"jvp-top"`` (forward mode
     through the top blocks only, ``params=N``) or ``"double-backward"``. ``logits``: with
     ``share_forward=True``, the (B, T, V) response logits of the forward the mask was
     computed on, differentiable with respect to every parameter of the model (the loss
@@ -98,15 +108,13 @@ class BatchMaskOutput:
     out_of_region: torch.Tensor
     metrics: dict
     mode: str
-    delta_low: float
-    delta_high: float
+    thresholds: Thresholds
     method: str
     logits: torch.Tensor | None = None
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments that make :func:`pdmask.policy_loss` apply this mask."""
-        return {"mode": self.mode, "extras": {DDOT: self.ddot},
-                "thresholds": Thresholds(delta_low=self.delta_low, delta_high=self.delta_high)}
+        return {"mode": self.mode, "extras": {DDOT: self.ddot}, "thresholds": self.thresholds}
 
 
 def batch_mode_settings(mode) -> tuple[str, str]:
@@ -161,14 +169,16 @@ class BatchMask:
         divergence: ``"topk_kl"`` or ``"topk_tv"``: the proximity divergence of O and Phi.
         estimator: the top-K tail estimator of the per-token ``Ddot`` the diagnostics
             compare with (``agree_pdm_frac``); c_t does not use it.
-        delta_low, delta_high: thresholds for A < 0 / A > 0 (default: the mode's, 0.05
-            for KL, 0.15 for TV).
+        thresholds: the region's :class:`pdmask.Thresholds` (None, or a None delta: the
+            mode's, 0.05 for KL, 0.15 for TV); the mask reads their deltas only.
         scope: ``"region"`` (drop t in O with c_t > 0) or ``"all"`` (drop any c_t > 0).
         method: ``"auto"`` (forward mode; the double backward if an op of the model has no
             forward-mode derivative, decided once per instance), ``"jvp"`` or
             ``"double-backward"``. With ``params=N`` forward mode runs through the top
             blocks only (:mod:`.top`; the output's ``method`` is then ``"jvp-top"``).
-        temperature: ``pi = softmax(logits / temperature)``.
+        sampling: the engine's :class:`pdmask.Sampling`, ``pi = softmax(logits /
+            temperature)`` (None: temperature 1); truncated sampling is refused (the
+            direction is that of the untruncated pi).
         is_cap: IS cap C in ``w = min(r, C)`` (only scales c_t).
         chunk_size: rows per chunk of the vocabulary reductions.
         all_tokens: compute ``ddot`` (and ``c``) on every response token. By default, with
@@ -178,8 +188,8 @@ class BatchMask:
     """
 
     def __init__(self, model, *, params="all", optimizer=None, divergence: str = "topk_kl",
-                 estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
-                 scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
+                 estimator: str = "exact", thresholds: Thresholds | None = None, scope: str = "region",
+                 method: str = "auto", sampling: Sampling | None = None, is_cap: float = 5.0,
                  chunk_size: int | None = None, all_tokens: bool = False):
         check_choice("divergence", divergence, PHI_DIVERGENCES)
         if not isinstance(all_tokens, bool):
@@ -187,16 +197,17 @@ class BatchMask:
         check_choice("estimator", estimator, ESTIMATORS)
         check_choice("scope", scope, SCOPES)
         check_choice("method", method, METHODS)
-        check_positive("temperature", temperature)
+        _check_specs(thresholds, sampling)
         check_positive("is_cap", is_cap, allow_inf=True)
         self.model, self.optimizer = model, optimizer
         self.subset = select_params(model, params)
         pre.check(optimizer, self.subset.params, [ns[0] for ns in self.subset.names])
         self.divergence, self.estimator, self.scope, self.method = divergence, estimator, scope, method
         self.mode = batch_mode(divergence, scope).name
-        th = Thresholds(delta_low, delta_high).resolve(get_mode(self.mode))
-        self.thresholds, self.delta_low, self.delta_high = th, th.delta_low, th.delta_high
-        self.temperature, self.is_cap, self.chunk_size = float(temperature), is_cap, chunk_size
+        self.thresholds = resolve_thresholds(thresholds, get_mode(self.mode))
+        # None: token_stats's default sampling, temperature 1
+        self.sampling, self.temperature = sampling, 1.0 if sampling is None else sampling.temperature
+        self.is_cap, self.chunk_size = is_cap, chunk_size
         self.all_tokens = all_tokens
         # the subset's share of the model's depth, for the cost rule of _rows
         self.depth_share = 1.0
@@ -260,7 +271,7 @@ class BatchMask:
             finally:
                 if capture is not None:
                     capture.remove()
-            st = token_stats(logits.detach(), rollout, sampling=Sampling(temperature=Tmp),
+            st = token_stats(logits.detach(), rollout, sampling=self.sampling,
                              compute=Compute(chunk_rows=self.chunk_size), validate=validate)
             valid = st["valid"]
             adv = _broadcast(advantages, tuple(ids.shape)).to(st["log_ratio"].dtype)
@@ -367,13 +378,12 @@ class BatchMask:
             "num_params": torch.tensor(self.subset.numel, device=valid.device),
         }
         return BatchMaskOutput(keep.detach(), ddot.detach(), c.detach(), out.detach(),
-                               {k: t.detach() for k, t in metrics.items()}, self.mode, self.delta_low,
-                               self.delta_high, method)
+                               {k: t.detach() for k, t in metrics.items()}, self.mode, self.thresholds, method)
 
 
 def batch_mask(model, input_ids, attention_mask, rollout: Rollout, advantages, *, params="all", optimizer=None, divergence: str = "topk_kl",
-               estimator: str = "exact", delta_low: float | None = None, delta_high: float | None = None,
-               scope: str = "region", method: str = "auto", temperature: float = 1.0, is_cap: float = 5.0,
+               estimator: str = "exact", thresholds: Thresholds | None = None, scope: str = "region",
+               method: str = "auto", sampling: Sampling | None = None, is_cap: float = 5.0,
                chunk_size: int | None = None, validate: bool = True, all_tokens: bool = False) -> BatchMaskOutput:
     """The batch-aware predictive mask of one batch (:class:`BatchMask` for the settings).
 
@@ -383,7 +393,7 @@ def batch_mask(model, input_ids, attention_mask, rollout: Rollout, advantages, *
             is the last T columns, and its tokens are the sampled ids.
         attention_mask: (B, L) real tokens.
         rollout: :class:`pdmask.Rollout`: ``response_mask`` (B, T) the response tokens to
-            score, ``sampled_logprob`` (B, T) ``log mu_k`` (engine, at ``temperature``),
+            score, ``sampled_logprob`` (B, T) ``log mu_k`` (engine, at ``sampling``'s temperature),
             ``topk_ids`` / ``topk_logprobs`` (B, T, K) the engine's top-K of mu; its
             ``sampled_ids`` are replaced by the last T columns of ``input_ids``.
         advantages: (B, T) or (B,).
@@ -393,6 +403,6 @@ def batch_mask(model, input_ids, attention_mask, rollout: Rollout, advantages, *
     applies the mask (same logits, i.e. the same parameters).
     """
     bm = BatchMask(model, params=params, optimizer=optimizer, divergence=divergence, estimator=estimator,
-                   delta_low=delta_low, delta_high=delta_high, scope=scope, method=method,
-                   temperature=temperature, is_cap=is_cap, chunk_size=chunk_size, all_tokens=all_tokens)
+                   thresholds=thresholds, scope=scope, method=method, sampling=sampling, is_cap=is_cap,
+                   chunk_size=chunk_size, all_tokens=all_tokens)
     return bm(input_ids, attention_mask, rollout, advantages, validate=validate)

@@ -34,7 +34,7 @@ def batch_params(cfg: TrainConfig):
 def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig) -> BatchMask:
     """The (cached) :class:`pdmask.lab.batchmask.BatchMask` of ``cfg.loss`` for ``model`` and
     ``optimizer``: its mode's divergence and scope, and the loss's estimator, thresholds,
-    temperature and IS cap."""
+    sampling and IS cap."""
     spec = cfg.loss
     if optimizer is None:
         raise ValueError(f"optimizer: mode {spec.mode!r} needs the optimizer that takes the step (its state is "
@@ -44,10 +44,9 @@ def batch_masker(model, optimizer: torch.optim.Optimizer | None, cfg: TrainConfi
     hit = _MASKERS.get(model)
     if hit is not None and hit[0] == key and hit[1]() is optimizer:
         return hit[2]
-    th = spec.thresholds  # resolved: the mode's deltas where none were given
     bm = BatchMask(model, params=batch_params(cfg), optimizer=optimizer, divergence=divergence,
-                   estimator=spec.estimator, delta_low=th.delta_low, delta_high=th.delta_high, scope=scope,
-                   method=cfg.batch_method, temperature=spec.sampling.temperature, is_cap=spec.corrections.is_cap)
+                   estimator=spec.estimator, thresholds=spec.thresholds, scope=scope, method=cfg.batch_method,
+                   sampling=spec.sampling, is_cap=spec.corrections.is_cap)
     _MASKERS[model] = (key, weakref.ref(optimizer), bm)
     return bm
 
