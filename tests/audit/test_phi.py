@@ -204,3 +204,16 @@ def test_copy64_computes_in_float64_and_leaves_the_model_alone(setup):
         z32 = response_logits(model, rb.sequences, rb.attention_mask, rb.prompt_len)
     assert z64.dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
     torch.testing.assert_close(z64.float(), z32, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["real-lm/phi-fp8-lag2", "batch/phi-stress"])
+def test_the_committed_phi_pages_rebuild_from_their_json(name):
+    """Every committed phi.md is what the current code writes from its phi.json, whichever
+    version of the settings (flat deltas before the typed thresholds) that file holds."""
+    import json
+    from pathlib import Path
+
+    from pdmask.lab.audit.phi_report import markdown
+
+    d = Path(__file__).resolve().parents[2] / "docs" / "results" / name
+    assert markdown(json.loads((d / "phi.json").read_text())) == (d / "phi.md").read_text()

@@ -112,7 +112,7 @@ def markdown(doc: dict) -> str:
     from ..significance import format_p
 
     s, st = doc["summary"], doc["settings"]
-    delta = st["thresholds"]["delta_high"]
+    delta = (st["thresholds"] if "thresholds" in st else st)["delta_high"]  # flat in phi.json before 2026-12-02
     lines = ["# Batch-aware mask: the audit of Phi", "",
              f"Command: `{doc['run'].get('command', '')}`", "",
              f"{s['n_seeds']} seeds ({s['n_seeds_with_O']} with out-of-region tokens), {s['n_tokens']:,} response "
