@@ -52,10 +52,13 @@ def support_mask(topk_ids, sampled_ids, V):
     return m
 
 
-def topk_divergence_fn(c, kind: str):
-    """The top-K divergence as a function of the full pi (for autograd): S' plus one tail bucket."""
+def topk_divergence_fn(c, kind: str, *, with_sampled: bool = True):
+    """The top-K divergence as a function of the full pi (for autograd): S' = topK ∪ {k} plus one
+    tail bucket; ``with_sampled=False``: S = topK only (the sampled token wherever it falls,
+    the DPPO reference's support)."""
     V = c["logits"].shape[-1]
-    S = support_mask(c["topk_ids"], c["sampled_ids"], V)
+    S = (support_mask(c["topk_ids"], c["sampled_ids"], V) if with_sampled else
+         torch.zeros(c["topk_ids"].shape[0], V, dtype=torch.bool).scatter_(1, c["topk_ids"], True))
     mu_full = c["logmu"].exp()
     mu_S = torch.where(S, mu_full, torch.zeros_like(mu_full))
     # mu on S' as the engine reports it: top-K entries + the sampled token

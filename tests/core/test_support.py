@@ -12,7 +12,7 @@ import torch
 import pdmask
 from pdmask.keys import ESTIMATORS
 
-from .helpers import F64, ddot_autograd, make_case, stats_of
+from .helpers import F64, ddot_autograd, make_case, stats_of, topk_divergence_fn
 
 TOPK = "topk"
 
@@ -153,24 +153,7 @@ def test_stable_rl_float32_rest_differs_where_the_tail_is_tiny():
 def topk_only_fn(c, kind):
     """The top-K-only divergence as a function of the full pi (autograd's input): S = topK,
     the sampled token wherever it falls, the rest one bucket."""
-    V = c["logits"].shape[-1]
-    S = torch.zeros(c["topk_ids"].shape[0], V, dtype=torch.bool).scatter_(1, c["topk_ids"], True)
-    mu_full = c["logmu"].exp()
-    mu_S = torch.where(S, mu_full, torch.zeros_like(mu_full))
-    mu_T = torch.where(S, torch.zeros_like(mu_full), mu_full).sum(-1)
-
-    def fn(_mu, pi):
-        pi_S = torch.where(S, pi, torch.zeros_like(pi))
-        pi_T = torch.where(S, torch.zeros_like(pi), pi).sum(-1)
-        if kind == "kl":
-            body = torch.where(S, mu_S * (torch.log(mu_S.clamp_min(1e-300)) - torch.log(pi)),
-                               torch.zeros_like(pi)).sum(-1)
-            tail = torch.where(mu_T > 0, mu_T * (torch.log(mu_T.clamp_min(1e-300)) - torch.log(pi_T)),
-                               torch.zeros_like(mu_T))
-            return body + tail
-        return 0.5 * ((mu_S - pi_S).abs().sum(-1) + (mu_T - pi_T).abs())
-
-    return fn
+    return topk_divergence_fn(c, kind, with_sampled=False)
 
 
 SHAPES = [(8, 30, 4, 1.5, 0.5, 0), (8, 50, 3, 4.0, 1.0, 3), (6, 12, 1, 1.0, 1.0, 0), (10, 25, 8, 2.0, 0.8, 0)]

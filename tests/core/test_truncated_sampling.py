@@ -160,6 +160,15 @@ def test_bad_truncation_arguments_name_the_argument():
             flat.policy_loss(*base, mode="dppo-binary-kl", **kw)
 
 
+def _padded_args(rep, mask):
+    """The loss's rollout arguments of the engine's report ``rep``, shaped as ``mask`` (B, T)."""
+    B, T = mask.shape
+    return dict(sampled_ids=rep["sampled_ids"].view(B, T), rollout_logprob=rep["rollout_logprob"].view(B, T),
+                rollout_topk_ids=rep["rollout_topk_ids"].view(B, T, K),
+                rollout_topk_logprobs=rep["rollout_topk_logprobs"].view(B, T, K),
+                advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask)
+
+
 def _padded_case(junk, seed=8):
     """(B, T) batch whose padding rows hold ``junk`` (NaN, +inf, -inf or a mix) in the logits,
     and the same batch with finite padding, for gradients that must not tell them apart."""
@@ -172,10 +181,7 @@ def _padded_case(junk, seed=8):
         zp[~mask] = torch.tensor([math.nan, math.inf, -math.inf, 1.0] * (V // 4), dtype=F64)
     else:
         zp[~mask] = junk
-    args = dict(sampled_ids=rep["sampled_ids"].view(B, T), rollout_logprob=rep["rollout_logprob"].view(B, T),
-                rollout_topk_ids=rep["rollout_topk_ids"].view(B, T, K),
-                rollout_topk_logprobs=rep["rollout_topk_logprobs"].view(B, T, K),
-                advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask)
+    args = _padded_args(rep, mask)
     return z, zp, mask, args
 
 
@@ -216,10 +222,7 @@ def test_truncated_sampling_from_hidden_gives_nan_inf_padding_rows_zero_gradient
         hp[~mask] = torch.tensor([math.nan, math.inf, -math.inf, 1.0] * (H // 4), dtype=F64)
     else:
         hp[~mask] = junk
-    args = dict(sampled_ids=rep["sampled_ids"].view(B, T), rollout_logprob=rep["rollout_logprob"].view(B, T),
-                rollout_topk_ids=rep["rollout_topk_ids"].view(B, T, K),
-                rollout_topk_logprobs=rep["rollout_topk_logprobs"].view(B, T, K),
-                advantages=torch.tensor([1.0, -0.5], dtype=F64), response_mask=mask)
+    args = _padded_args(rep, mask)
     grads = []
     for h0 in (h, hp):
         hh, WW = h0.clone().requires_grad_(), W.clone().requires_grad_()
