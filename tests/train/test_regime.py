@@ -83,6 +83,10 @@ def test_rung_verdict_and_the_paired_test(tmp_path):
     assert none["vs_reference"] == {"reference": "dppo-topk-kl", "n": 3, "only_mode": 3, "only_reference": 0,
                                     "p": mcnemar_exact(3, 0)}
     assert none["finish_start"] == pytest.approx(0.9) and none["finish_end"] == pytest.approx(0.1)
+    # the end finish rate, paired by seed: 0.1 - 0.9 on each of the 3 seeds; exact sign-flip p = 2/2^3
+    fin = none["finish_end_vs_reference"]
+    assert fin["estimate"] == pytest.approx(-0.8) and (fin["n"], fin["wins"], fin["losses"]) == (3, 0, 3)
+    assert fin["p"] == pytest.approx(0.25) and dppo["finish_end_vs_reference"] is None
     # the guard breaking too, and a stable unguarded run
     runs.append(_run(tmp_path, "dppo-topk-kl-s3", "dppo-topk-kl", 3, broke))
     assert regime.rung_breaks(runs, "dppo-topk-kl")["verdict"] == "both break"
@@ -100,6 +104,7 @@ def test_the_report_table_has_one_row_per_rung_and_mode(tmp_path):
     rep = {"reference": "dppo-topk-kl", "rungs": [{"name": "hot", "breaks": regime.rung_breaks(runs, "dppo-topk-kl")},
                                                   {"name": "old", "modes": []}]}
     h, rows = regime.breaks_rows(rep)
-    assert h[-1] == "Δ broke vs dppo-topk-kl (McNemar)" and len(rows) == 2
+    assert h[-2:] == ["Δ broke vs dppo-topk-kl (McNemar)", "Δ end finish rate vs dppo-topk-kl (sign-flip)"]
+    assert len(rows) == 2 and rows[0][-1] == "-0.80, 0 up / 1 down of 1 seeds, p = 1" and rows[1][-1] == "-"
     assert rows[0][:5] == ["hot", "breaks", "none", "1/1 [0.02, 1.00]", "s0: ending @5"]  # 0.025 in float: 0.0249..
     assert rows[1][2:5] == ["dppo-topk-kl", "0/1 [0.00, 0.98]", "s0: -"]

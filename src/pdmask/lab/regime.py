@@ -133,8 +133,11 @@ def rung_breaks(runs: list[Path], reference: str) -> dict | None:
     """Per mode: the seeds that broke (each with its criteria and first steps), the finish
     rate and entropy at the start and over the last 3 steps; against ``reference``'s seeds
     (the ladder's reference mode), McNemar's exact test of the breaks (the seeds where exactly
-    one of the two broke); the rung's :func:`verdict`. None when no run logged the finish rate."""
-    from .significance import clopper_pearson, mcnemar_exact
+    one of the two broke), and the paired per-seed difference of the end finish rate (the
+    same failure as a number, for runs too short to cross the threshold: mean, seed-bootstrap
+    interval, exact sign-flip test); the rung's :func:`verdict`. None when no run logged the
+    finish rate."""
+    from .significance import clopper_pearson, mcnemar_exact, paired_difference
 
     judged = [j for j in map(judge_run, runs) if j is not None]
     if not judged:
@@ -153,13 +156,15 @@ def rung_breaks(runs: list[Path], reference: str) -> dict | None:
                "finish_end": _mean([_mean(j.finish[-3:]) for j in seeds.values()]),
                "entropy_start": _mean([_mean(j.entropy[:3]) for j in seeds.values()]),
                "entropy_end": _mean([_mean(j.entropy[-3:]) for j in seeds.values()]),
-               "vs_reference": None}
+               "vs_reference": None, "finish_end_vs_reference": None}
         common = sorted(set(seeds) & set(ref))
         if m != reference and common:
             b = sum(seeds[s].broken and not ref[s].broken for s in common)
             c = sum(ref[s].broken and not seeds[s].broken for s in common)
             row["vs_reference"] = {"reference": reference, "n": len(common), "only_mode": b, "only_reference": c,
                                    "p": mcnemar_exact(b, c)}
+            ends = [(_mean(seeds[s].finish[-3:]), _mean(ref[s].finish[-3:])) for s in common]
+            row["finish_end_vs_reference"] = paired_difference([x for x, _ in ends], [y for _, y in ends]).to_dict()
         modes[m] = row
     return {"modes": modes, "verdict": verdict(modes)}
 
@@ -184,7 +189,8 @@ def _mean(xs):
 def breaks_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) of the report's "Where runs break" table: one row per (rung, mode)."""
     h = ["rung", "verdict", "mode", "broke (seeds)", "criteria: first step per seed", "finish rate start -> end",
-         "entropy start -> end", f"Δ broke vs {rep['reference']} (McNemar)"]
+         "entropy start -> end", f"Δ broke vs {rep['reference']} (McNemar)",
+         f"Δ end finish rate vs {rep['reference']} (sign-flip)"]
     rows = []
     for r in rep["rungs"]:
         br = r.get("breaks")
@@ -197,5 +203,14 @@ def breaks_rows(rep: dict) -> tuple[list[str], list[list[str]]]:
             f2 = lambda a, b: "-" if a is None or b is None else f"{a:.2f} -> {b:.2f}"  # noqa: E731
             rows.append([r["name"], br["verdict"], m, f"{row['k']}/{row['n']} [{row['lo']:.2f}, {row['hi']:.2f}]",
                          crit, f2(row["finish_start"], row["finish_end"]), f2(row["entropy_start"], row["entropy_end"]),
-                         "-" if vs is None else f"{vs['only_mode']} vs {vs['only_reference']} (p = {vs['p']:.3g})"])
+                         "-" if vs is None else f"{vs['only_mode']} vs {vs['only_reference']} (p = {vs['p']:.3g})",
+                         _paired_cell(row.get("finish_end_vs_reference"))])
     return h, rows
+
+
+def _paired_cell(d: dict | None) -> str:
+    """``+0.12 [+0.05, +0.20], 6 up / 1 down of 8 seeds, p = 0.03`` (a paired difference)."""
+    if d is None:
+        return "-"
+    ci = "" if d["n"] < 2 else f" [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+    return f"{d['estimate']:+.2f}{ci}, {d['wins']} up / {d['losses']} down of {d['n']} seeds, p = {d['p']:.3g}"
