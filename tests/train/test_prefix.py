@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 import yaml
 
 from pdmask.train.config import load_config, replace
@@ -115,3 +116,18 @@ def test_ladder_takes_prefixes_then_runs_only_the_rest(tmp_path, smoke_cache, sm
     assert "2 cells are the first steps of longer runs" in (tmp_path / "short" / "ladder.md").read_text()
     # a second invocation finds everything done and takes nothing again
     assert run_ladder(short, out=tmp_path / "short", prefix_of=tmp_path / "long")["prefix"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_gives_the_callers_thread_count_back(smoke_config, smoke_cache, tmp_path):
+    """``train`` sets the config's torch threads for the run and restores the caller's after it
+    (a library user, or a ladder running cells in one process, keeps its own)."""
+    cfg = _cfg(smoke_config, smoke_cache, tmp_path, steps=1)
+    before = torch.get_num_threads()
+    caller = 2 if cfg.threads == 1 else 1
+    torch.set_num_threads(caller)
+    try:
+        train(cfg)
+        assert torch.get_num_threads() == caller != cfg.threads
+    finally:
+        torch.set_num_threads(before)

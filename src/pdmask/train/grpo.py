@@ -153,8 +153,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
     console = console or Console()
     cfg.validate()
     check_run(cfg, resume=resume)
-    with lock_run_dir(cfg.run_dir):
-        return _train(cfg, resume=resume, console=console)
+    caller_threads = torch.get_num_threads()  # the run's thread count is its own; the caller's comes back
+    try:
+        with lock_run_dir(cfg.run_dir):
+            return _train(cfg, resume=resume, console=console)
+    finally:
+        torch.set_num_threads(caller_threads)
 
 
 def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
