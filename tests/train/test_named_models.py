@@ -111,6 +111,12 @@ def test_cache_converts_once_keyed_by_the_files_hash(tiny_gguf, tmp_path, monkey
     assert d1.parent == tmp_path / "models" and d1.name.startswith(f"tiny-{digest[:16]}")
     assert nm.source_info(d1)["sha256"] == digest
     assert [p.name for p in d1.parent.iterdir() if p.name.startswith(".tiny")] == []  # no temp dir left
+    # readable as the umask allows (mkdtemp's 0700 and the weight writer's 0600 are not)
+    from pdmask.train.rundir import umask
+
+    m = umask()
+    assert {p.name: p.stat().st_mode & 0o777 for p in [d1, *d1.iterdir()]} == \
+        {p.name: (0o777 if p.is_dir() else 0o666) & ~m for p in [d1, *d1.iterdir()]}
     other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)  # other bytes: another entry
     d3 = nm.cached_conversion(other, "tiny", cache_dir=tmp_path)
     assert d3 != d1 and len(calls) == 2

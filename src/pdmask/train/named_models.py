@@ -48,7 +48,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rundir import writing
+from .rundir import share_like_umask, writing
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,6 @@ def cached_conversion(gguf_file: str | os.PathLike, name: str, *, cache_dir=None
         if console is not None:
             console.print(f"[dim]converting {gguf_file.name} once into {final} ...[/dim]")
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        tmp.chmod(0o755)  # mkdtemp's 0700 would make a shared cache unreadable to other users
         try:
             try:
                 convert_gguf(gguf_file, tmp)
@@ -241,6 +240,8 @@ def cached_conversion(gguf_file: str | os.PathLike, name: str, *, cache_dir=None
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}}
             with writing(tmp / SOURCE_FILE):
                 (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=1) + "\n")
+            # mkdtemp's 0700 and the weight writer's 0600 would make a shared cache unreadable to others
+            share_like_umask(tmp)
             if final.exists():  # a damaged entry, or a half-written one from a killed run (no SOURCE_FILE)
                 shutil.rmtree(final)
             os.replace(tmp, final)
