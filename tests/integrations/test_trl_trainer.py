@@ -21,6 +21,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import trl_helpers as H  # noqa: E402
 
+from tests.numerics import one_thread  # noqa: E402
+
 from pdmask.integrations.trl import GRPOConfig  # noqa: E402
 
 #: every mode the trainer accepts, each with one of TRL's aggregations (all four covered twice)
@@ -106,22 +108,27 @@ def _counting_scoring_forwards(tr) -> list:
 def test_trls_old_logprob_forward_is_skipped(tmp_path):
     """num_iterations=2: TRL would score the generation batch once more for old_per_token_logps,
     which the loss never reads. Skipped, the losses are the same to the bit and the forward is gone."""
-    runs = {}
-    for skip in (True, False):
-        tr = H.make_trainer(tmp_path / str(skip), mask_mode="pdm-topk-kl", num_iterations=2, steps_per_generation=1,
-                            mask_delta_low=1e-3, mask_delta_high=1e-3, learning_rate=0.1, max_steps=2)
-        tr._pdmask_skip_old_logps = skip
-        calls = _counting_scoring_forwards(tr)
-        tr.train()
-        _check_records(tr, 4)
-        assert len(tr.records) == 2
-        assert tr.num_iterations == 2 and tr.vllm_importance_sampling_correction is True  # restored
-        runs[skip] = tr.records
-        assert len(calls) == (0 if skip else 1), calls  # one generation batch: TRL scores it once
-        assert ("old_per_token_logps" in tr.records[0]["inputs"]) is not skip
+    # one thread: the loss is compared bit for bit, so both runs must reduce in the same order
+    with one_thread():
+        runs = {skip: _records_with_skip(tmp_path, skip) for skip in (True, False)}
     for a, b in zip(runs[True], runs[False], strict=True):
         assert torch.equal(a["loss"], b["loss"])
     assert float(runs[True][1]["metrics"]["kept_frac"]) < 1.0  # the second pass is off-policy: the mask acted
+
+
+def _records_with_skip(tmp_path, skip: bool) -> list:
+    """The records of a 2-step run with TRL's old-log-prob forward skipped or not, checked."""
+    tr = H.make_trainer(tmp_path / str(skip), mask_mode="pdm-topk-kl", num_iterations=2, steps_per_generation=1,
+                        mask_delta_low=1e-3, mask_delta_high=1e-3, learning_rate=0.1, max_steps=2)
+    tr._pdmask_skip_old_logps = skip
+    calls = _counting_scoring_forwards(tr)
+    tr.train()
+    _check_records(tr, 4)
+    assert len(tr.records) == 2
+    assert tr.num_iterations == 2 and tr.vllm_importance_sampling_correction is True  # restored
+    assert len(calls) == (0 if skip else 1), calls  # one generation batch: TRL scores it once
+    assert ("old_per_token_logps" in tr.records[0]["inputs"]) is not skip
+    return tr.records
 
 
 def test_vllm_path_picks_the_sampled_token(tmp_path):

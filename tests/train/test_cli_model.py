@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("typer")
-pytest.importorskip("transformers")
+pytest.importorskip("typer", reason="the command line needs the train extra: pip install -e '.[train]'")
+pytest.importorskip("transformers", reason="the conversion needs the train extra: pip install -e '.[train]'")
 
 from pdmask.train import named_models as nm  # noqa: E402
 

@@ -29,6 +29,7 @@ def test_from_logprobs_gives_the_token_stats_binary_part():
     st = flat.token_stats(z, k, rlp)
     got = TokenStats.from_logprobs(st["logp"].detach(), rlp, torch.ones_like(k, dtype=torch.bool), sum_p2=st["sum_p2"])
     assert got.topk is None and got.full is None and got.kept is None
+    # bitwise: both sides are stats._binary on the same detached inputs, elementwise ops in one order
     for key in BINARY:
         torch.testing.assert_close(got[key], st[key], rtol=0, atol=0, msg=key)
 
@@ -42,7 +43,7 @@ def test_verl_binary_stats_are_the_core_ones_with_the_pi_k_squared_bound():
     assert isinstance(got, TokenStats) and set(got) == set(want)
     assert torch.equal(got["sampled_logprob"][mask], rlp[mask])  # the anchor's log mu_k (DRPO's mu_k)
     assert got.logp is logp and torch.equal(got.entropy, torch.zeros_like(logp))
-    for key in BINARY:
+    for key in BINARY:  # bitwise: one function (stats._binary), the same elementwise ops on the same inputs
         torch.testing.assert_close(got[key][mask], want[key][mask], rtol=0, atol=0, msg=key)
         assert torch.isfinite(got[key]).all(), key  # padding gets a harmless placeholder
     # the bound changes the magnitude of Ddot, never its sign (the sign is the ratio's)
