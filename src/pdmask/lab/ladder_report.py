@@ -39,13 +39,9 @@ from ..train.environment import environment, environments_line, one_line, runs_e
 from .ladder import LADDER_LOG
 from ..train.logging import read_jsonl
 from .seed_summary import DETECTABLE_DEFINITION, DETECTABLE_HEADER, detectable_cell, json_safe
+from .seed_summary import mean_present as _mean
 
 N_BOOT = DEFAULT_N_BOOT
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 #: The files of a run the report reads (config, per-step metrics, the run's summary): the

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .seed_summary import mean_present as _mean
+
 ACC_DROP = 0.15
 ENTROPY_COLLAPSE = 0.25
 ENTROPY_EXPLODE = 2.0
@@ -179,11 +181,6 @@ def verdict(modes: dict) -> str:
     if GUARD not in modes:
         return "no guard run"
     return "both break" if modes[GUARD]["k"] else "breaks"
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 def breaks_rows(rep: dict) -> tuple[list[str], list[list[str]]]:

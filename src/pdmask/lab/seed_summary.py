@@ -248,6 +248,12 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
            "resolution": [resolution_note(n) for n in ns], "notes": notes})
 
 
+def mean_present(xs):
+    """The mean of the values that are not None; None when none is."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def json_safe(v):
     """nan/inf (no interval, no rate) become None, so summary.json is strict JSON."""
     if isinstance(v, dict):
