@@ -5,7 +5,10 @@ Four seeds (0..3) of three modes, 8 RL steps, an eval at every step, sync_every 
 - dppo-topk-kl (the reference): eval curve REF (+0.01 * seed after step 0), monotone;
   masked_frac 0.01 * (seed + 1) on 1000 * (seed + 1) tokens per step (num_masked not logged).
 - pdm-topk-kl: REF + PDM_OFFSET[seed] at every step >= 1; num_masked = 30 of 1000 tokens per
-  step (and a wrong masked_frac 0.5, which must be ignored: counts win).
+  step (and a wrong masked_frac 0.5, which must be ignored: counts win); 100 tokens out of
+  region per step, 10 * (seed + 1) of them disagreeing (the ratio's direction vs the predictive).
+- dppo-topk-kl logs out_of_region_frac 0.2 without its count, and disagreement_frac without
+  num_out_of_region (its denominator): the first pools as 0.2 * tokens, the second not at all.
 - none: rises to 0.60 + 0.01 * seed at step 4, then collapses to 0.20 + 0.01 * seed.
 """
 
@@ -41,9 +44,11 @@ def write_run(root, mode, seed, *, sync_every=2, steps=8):
         r = {"step": t, "eval_accuracy": acc[t], "reward": 0.5,
              "mismatch_topk_kl": (1e-2 if mode == "none" else 1e-3) * t}
         if mode == "dppo-topk-kl":
-            r.update(masked_frac=0.01 * (seed + 1), num_tokens=1000.0 * (seed + 1))
+            r.update(masked_frac=0.01 * (seed + 1), num_tokens=1000.0 * (seed + 1), out_of_region_frac=0.2,
+                     disagreement_frac=0.05)
         elif mode == "pdm-topk-kl":
-            r.update(masked_frac=0.5, num_masked=30.0, num_tokens=1000.0)
+            r.update(masked_frac=0.5, num_masked=30.0, num_tokens=1000.0, num_out_of_region=100.0,
+                     num_disagreement=10.0 * (seed + 1))
         else:
             r.update(masked_frac=0.0, num_tokens=1000.0)
         recs.append(r)

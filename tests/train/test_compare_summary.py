@@ -28,8 +28,14 @@ def test_run_scalars_hand_worked(tmp_path):
     # sync_every 1: the last 5 steps (4..8): 6e-3
     assert run_scalars(recs, sync_every=1)["mismatch_final"] == pytest.approx(6e-3)
     # 8 steps of 0.01 * 1000 masked tokens
-    assert (s["masked_tokens"], s["tokens"], s["masked_frac"]) == pytest.approx((80, 8000, 0.01))
-    assert s["masked_counts"] == "masked_frac*num_tokens" and (s["steps"], s["evals"]) == (8, 9)
+    c = s["counts"]["masked_frac"]
+    assert (c["num"], c["den"], s["masked_frac"]) == pytest.approx((80, 8000, 0.01))
+    assert c["how"] == "masked_frac*num_tokens" and (s["steps"], s["evals"]) == (8, 9)
+    # out of region: 0.2 of 1000 tokens per step, counted from the fraction; disagreement: its
+    # denominator (num_out_of_region) is never logged, so it has no share (None, not 0)
+    c = s["counts"]["out_of_region_frac"]
+    assert (c["num"], c["den"], c["how"]) == pytest.approx((1600, 8000, "out_of_region_frac*num_tokens"))
+    assert s["disagreement_frac"] is None and s["counts"]["disagreement_frac"] == {"num": 0.0, "den": 0.0, "how": None}
     # the collapse: best 0.60 at step 4, last 0.20 -> worst drop 0.40
     none = [json.loads(line) for line in (write_run(tmp_path, "none", 0) / "metrics.jsonl").read_text().splitlines()]
     assert run_scalars(none)["worst_drop"] == pytest.approx(0.40)
@@ -49,12 +55,20 @@ def test_seed_summary_known_answers(compare_dir):
 
     # masked fraction of the reference pooled over seeds: sum_s 0.01 (s+1) 1000 (s+1) / sum_s 1000 (s+1)
     # = 0.01 * (1+4+9+16) / (1+2+3+4) = 0.03, while the mean of the per-seed fractions is 0.025
-    mp = ref["masked_frac_pooled"]
+    mp = ref["pooled"]["masked_frac"]
     assert mp["estimate"] == pytest.approx(0.03) and mp["per_cluster_mean"] == pytest.approx(0.025)
     assert mp["den"] == 8 * 1000 * 10 and mp["lo"] <= mp["estimate"] <= mp["hi"]
     assert ref["metrics"]["masked_frac"]["mean"] == pytest.approx(0.025)  # the per-seed mean stays secondary
     # pdm logs num_masked (30 of 1000 per step): counts are used, the bogus masked_frac = 0.5 is not
-    assert pdm["masked_frac_pooled"]["estimate"] == pytest.approx(0.03)
+    assert pdm["pooled"]["masked_frac"]["estimate"] == pytest.approx(0.03)
+    # disagreement of pdm pooled over seeds: sum_s 8 * 10 (s+1) / (4 * 8 * 100) = 800 / 3200 = 0.25 of
+    # 3,200 out-of-region tokens, while the per-seed shares are 0.1 (s+1) (mean 0.25 too: equal denominators)
+    dg = pdm["pooled"]["disagreement_frac"]
+    assert dg["estimate"] == pytest.approx(0.25) and dg["den"] == 3200 and dg["lo"] <= 0.25 <= dg["hi"]
+    assert pdm["pooled"]["out_of_region_frac"]["estimate"] == pytest.approx(0.1)
+    assert ref["pooled"]["disagreement_frac"]["estimate"] is None  # never counted: no share, no pairing
+    assert ref["pooled"]["out_of_region_frac"]["estimate"] == pytest.approx(0.2)
+    assert ref["pooled"]["corrective_frac"]["estimate"] is None  # no smooth weight in these modes
 
     v = pdm["vs_reference"]
     assert v["reference_group"] == "dppo-topk-kl" and v["seeds"] == [0, 1, 2, 3] and v["n"] == 4
@@ -77,6 +91,10 @@ def test_seed_summary_known_answers(compare_dir):
     # |0.02a + 0.01b - 0.01c|, all but (+, -, +) and (-, +, -) (sum 0) reach 0.02: p = 12/16 = 0.75
     mk = v["masked_frac"]
     assert mk["estimate"] == pytest.approx(0.0, abs=1e-12) and mk["p"] == pytest.approx(0.75)
+    # out of region: 0.1 - 0.2 on every seed (p = 2/16); disagreement: the reference has no share
+    o = v["out_of_region_frac"]
+    assert o["estimate"] == pytest.approx(-0.1) and o["p"] == 0.125 and o["n"] == 4
+    assert v["disagreement_frac"] is None
 
     w = none["vs_reference"]
     # collapse: final 0.20 + 0.01 s vs 0.65 + 0.01 s -> -0.45 on every seed; 4 of one sign: p = 2/16
@@ -161,10 +179,15 @@ def test_masked_counts_only_from_steps_that_log_them():
             {"step": 2, "eval_accuracy": 0.3, "num_tokens": 300.0, "masked_frac": 0.1},  # 30 masked
             {"step": 3, "eval_accuracy": 0.4, "num_tokens": 600.0}]  # no masked count: left out, not 0
     s = run_scalars(recs)
-    assert (s["masked_tokens"], s["tokens"]) == pytest.approx((35, 400))
+    c = s["counts"]["masked_frac"]
+    assert (c["num"], c["den"]) == pytest.approx((35, 400))
     assert s["masked_frac"] == pytest.approx(35 / 400)
-    assert s["masked_counts"] == "masked_frac*num_tokens + num_masked"
+    assert c["how"] == "masked_frac*num_tokens + num_masked"
     assert run_scalars(recs[:1] + recs[3:])["masked_frac"] is None
+    # a smooth weight's corrective share: fraction * tokens (no count is logged), 0.1 * 100 + 0.2 * 300
+    recs[1]["corrective_frac"], recs[2]["corrective_frac"] = 0.1, 0.2
+    c = run_scalars(recs)["counts"]["corrective_frac"]
+    assert (c["num"], c["den"], c["how"]) == pytest.approx((70, 400, "corrective_frac*num_tokens"))
     # evals at 0..3 of 0.1..0.4 (linear): AUC = mean of the line = 0.25; eval at one step only: its value
     assert s["eval_auc"] == pytest.approx(0.25)
     assert run_scalars([{"step": 4, "eval_accuracy": 0.7}])["eval_auc"] == 0.7
@@ -182,3 +205,17 @@ def test_power_column_in_the_paired_table(compare_dir):
         next(line for line in md.splitlines() if DETECTABLE_HEADER in line)) + 2:]) if len(c) == len(header)}
     assert rows["pdm-topk-kl"] == "none" and rows["none"] == "none"  # 4 seeds: p >= 0.125
     assert "detectable" in s["definitions"]
+
+
+def test_shares_in_the_per_mode_table(compare_dir):
+    s = seed_summary(runs_of(compare_dir), n_boot=200)
+    lines = seed_markdown(s).splitlines()
+    header = next(line for line in lines if line.startswith("| mode | seeds |"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    row = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines)
+           if len(c) == len(cols) and c[0] in ("pdm-topk-kl", "dppo-topk-kl")}
+    dis = cols.index("disagreement (pooled over seeds)")
+    # pooled 0.25 of the out-of-region tokens, its unit named; the reference never counted it
+    assert row["pdm-topk-kl"][dis].startswith("25.00% [") and "(3,200 out-of-region tokens)" in row["pdm-topk-kl"][dis]
+    assert row["dppo-topk-kl"][dis] == "-"
+    assert row["dppo-topk-kl"][cols.index("out of region (pooled over seeds)")].startswith("20.00% [")

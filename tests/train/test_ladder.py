@@ -233,6 +233,7 @@ def _write_cells(spec, out):
         recs = [{"step": 0, "eval_accuracy": acc[0]}]
         for t in (1, 2, 3):
             recs.append({"step": t, "eval_accuracy": acc[t], "num_tokens": 1000.0, "num_masked": 10.0,
+                         "num_out_of_region": 100.0, "num_disagreement": 5.0 * (c.mode == "pdm-topk-kl"),
                          "mismatch_topk_kl": _mismatch(c.rung.name, c.mode, c.seed), "rollout_tail_mass_mean": 0.01})
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         (d / "summary.json").write_text("{}")
@@ -277,7 +278,11 @@ def test_report_numbers_on_constructed_runs(constructed):
     assert m["dppo-topk-kl"]["vs_reference"] is None
     # own mismatch of none: 3x the reference's
     assert m["none"]["mismatch_mean"] == pytest.approx(3 * 1.35e-2)
+    # shares pooled over tokens: 10 of 1000 masked; 5 of 100 out-of-region tokens disagree (pdm only)
+    assert m["pdm-topk-kl"]["masked_frac"] == pytest.approx(0.01)
+    assert (m["pdm-topk-kl"]["disagreement_frac"], m["none"]["disagreement_frac"]) == pytest.approx((0.05, 0.0))
     md = (out / "ladder.md").read_text()
+    assert "| 1.00% | 5.00% | +0.020 [" in md  # pdm's masked and disagreement columns, then its paired Δ
     assert "| hard | none | 8 |" in md and "6/8 [" in md and "6 vs 1 p = 0.125" in md
     assert "2/2^8 = 0.00781" in md and "only a difference of at least 6/8" in md
     # per-rung compare summaries for `pdmask report`

@@ -185,7 +185,7 @@ def _finished_runs(spec, rung, out: Path, planned: dict) -> tuple[list[Path], li
 
 def _mode_row(m: str, g: dict, extras: dict, ref_coll: dict, spec) -> dict:
     """One mode's row of a rung: final accuracy, collapse (Clopper-Pearson), mismatch,
-    masked share and, against the reference, the paired differences and McNemar's test of
+    masked and disagreement shares and, against the reference, the paired differences and McNemar's test of
     the collapses (``g``: the mode's group of the across-seed summary)."""
     from .significance import clopper_pearson, mcnemar_exact
 
@@ -203,7 +203,8 @@ def _mode_row(m: str, g: dict, extras: dict, ref_coll: dict, spec) -> dict:
            "collapse": {"k": k, "n": len(seeds), "rate": k / len(seeds), "lo": lo, "hi": hi,
                         "per_seed": [coll[s] for s in seeds]},
            "mismatch_mean": _mean([e["mismatch_mean"] for e in ex]),
-           "masked_frac": g["masked_frac_pooled"]["estimate"], "vs_reference": None}
+           "masked_frac": g["pooled"]["masked_frac"]["estimate"],
+           "disagreement_frac": g["pooled"]["disagreement_frac"]["estimate"], "vs_reference": None}
     vs = g.get("vs_reference")
     if vs:
         common = [s for s in seeds if s in ref_coll]
@@ -372,7 +373,7 @@ def ladder_rows(rep: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
             "-" if r["sft_accuracy"] is None else f"{r['sft_accuracy']:.3f}"] for r in rep["rungs"]]
     ref = rep["reference"]
     h_m = ["rung", "mode", "seeds", "final acc", "worst drop", "collapsed", "own mismatch", "masked",
-           f"Δ final acc vs {ref}", DETECTABLE_HEADER, "Δ collapsed (McNemar)"]
+           "disagreement", f"Δ final acc vs {ref}", DETECTABLE_HEADER, "Δ collapsed (McNemar)"]
     r_m = []
     for r in rep["rungs"]:
         for m in r["modes"]:
@@ -388,7 +389,9 @@ def ladder_rows(rep: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
             r_m.append([r["name"], m["mode"], str(m["n"]), _iv(m["eval_final"]), f"{m['worst_drop']:.3f}",
                         f"{c['k']}/{c['n']} [{c['lo']:.2f}, {c['hi']:.2f}]",
                         "-" if m["mismatch_mean"] is None else f"{m['mismatch_mean']:.2e}",
-                        "-" if m["masked_frac"] is None else f"{m['masked_frac']:.2%}", d_acc, d_det, d_col])
+                        "-" if m["masked_frac"] is None else f"{m['masked_frac']:.2%}",
+                        "-" if m["disagreement_frac"] is None else f"{m['disagreement_frac']:.2%}",
+                        d_acc, d_det, d_col])
     modes = []
     for r in rep["rungs"]:
         modes += [m["mode"] for m in r["modes"] if m["mode"] not in modes]

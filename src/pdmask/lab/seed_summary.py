@@ -47,7 +47,20 @@ SEED_METRICS = [
     ("worst_drop", "worst drop", ".3f"),
     ("mismatch_final", "final mismatch", ".2e"),
     ("masked_frac", "masked", ".3%"),
+    ("out_of_region_frac", "out of region", ".2%"),
+    ("disagreement_frac", "disagreement", ".2%"),
+    ("corrective_frac", "corrective", ".2%"),
 ]
+
+#: the shares pooled over tokens (sum over a run's steps, then over seeds with a seed-cluster
+#: bootstrap): key -> (numerator count, denominator count, the denominator's unit). A step
+#: that logs the fraction (the key) but not the numerator count adds ``fraction * denominator``.
+POOLED_SHARES = {
+    "masked_frac": ("num_masked", "num_tokens", "tokens"),
+    "out_of_region_frac": ("num_out_of_region", "num_tokens", "tokens"),
+    "disagreement_frac": ("num_disagreement", "num_out_of_region", "out-of-region tokens"),
+    "corrective_frac": ("num_corrective", "num_tokens", "tokens"),
+}
 
 #: what each scalar is (written into summary.json / summary.md)
 SEED_DEFINITIONS = {
@@ -64,6 +77,14 @@ SEED_DEFINITIONS = {
                    "over seeds with a seed-cluster bootstrap. Masked counts per step are num_masked when "
                    "logged, else masked_frac * num_tokens (exact when a step's mini-batches hold equal "
                    "token counts, else a token-weighted approximation)",
+    "out_of_region_frac": "tokens outside the trust region (the mode's divergence above its delta) / response "
+                          "tokens, pooled as masked_frac (counts: num_out_of_region)",
+    "disagreement_frac": "out-of-region tokens where the ratio's direction and the predictive direction of the "
+                         "mode's divergence disagree on 'outward' / out-of-region tokens, pooled as masked_frac "
+                         "(counts: num_disagreement over num_out_of_region)",
+    "corrective_frac": "the smooth weights (drpo, pdm-smooth-*): tokens whose weight is negative (the step "
+                       "pushes the token's log-probability back toward the engine) / response tokens, pooled as "
+                       "masked_frac; '-' for a mode without a smooth weight",
 }
 
 #: the power column of paired tables (compare's and the ladder's)
@@ -77,12 +98,33 @@ SEED_DEFINITIONS["detectable"] = DETECTABLE_DEFINITION
 DEFAULT_REFERENCE = "dppo-topk-kl"
 
 
+def _pooled_counts(steps: list[dict], key: str) -> dict:
+    """(numerator, denominator) of one :data:`POOLED_SHARES` share summed over the steps that
+    log both, and ``how`` the numerator was counted (the count, fraction * denominator, both
+    joined by " + ", or None when no step logs it)."""
+    num_key, den_key, _ = POOLED_SHARES[key]
+    num = den = 0.0
+    how = set()
+    for r in steps:
+        if r.get(den_key) is None:
+            continue
+        if r.get(num_key) is not None:
+            num += r[num_key]
+            how.add(num_key)
+        elif r.get(key) is not None:
+            num += r[key] * r[den_key]
+            how.add(f"{key}*{den_key}")
+        else:
+            continue
+        den += r[den_key]
+    return {"num": num, "den": den, "how": " + ".join(sorted(how)) or None}
+
+
 def run_scalars(records: list[dict], *, sync_every: int = 1) -> dict:
     """Headline scalars of one run (see :data:`SEED_DEFINITIONS`) from its metrics records.
 
-    Also returns ``masked_tokens`` / ``tokens`` (the pooled counts over the steps that log
-    both), ``masked_counts`` (how: "num_masked", "masked_frac*num_tokens", both joined by
-    " + ", or None when no step logs a masked count), ``steps`` and ``evals``.
+    Also returns ``counts``: per :data:`POOLED_SHARES` share its pooled ``num`` / ``den``
+    over the run's steps and ``how`` the numerator was counted; ``steps`` and ``evals``.
     """
     import numpy as np
 
@@ -95,29 +137,19 @@ def run_scalars(records: list[dict], *, sync_every: int = 1) -> dict:
     steps = sorted((r for r in records if r.get("step", 0) > 0), key=lambda r: r["step"])
     window = max(1, sync_every) * math.ceil(5 / max(1, sync_every))
     mm = [r["mismatch_topk_kl"] for r in steps[-window:] if r.get("mismatch_topk_kl") is not None]
-    masked = tokens = 0.0
-    how = set()
-    for r in steps:  # a step counts only with both its tokens and its masked count
-        if r.get("num_tokens") is None:
-            continue
-        if r.get("num_masked") is not None:
-            masked += r["num_masked"]
-            how.add("num_masked")
-        elif r.get("masked_frac") is not None:
-            masked += r["masked_frac"] * r["num_tokens"]
-            how.add("masked_frac*num_tokens")
-        else:
-            continue
-        tokens += r["num_tokens"]
-    how = " + ".join(sorted(how)) or None
+    counts = {k: _pooled_counts(steps, k) for k in POOLED_SHARES}
+    shares = {k: c["num"] / c["den"] if c["den"] > 0 else None for k, c in counts.items()}
     return {
         "eval_final": float(a[-1]), "eval_last5": float(a[-5:].mean()), "eval_auc": auc,
         "worst_drop": float((np.maximum.accumulate(a) - a).max()),
-        "mismatch_final": float(np.mean(mm)) if mm else None,
-        "masked_frac": masked / tokens if tokens > 0 else None,
-        "masked_tokens": masked, "tokens": tokens, "masked_counts": how,
+        "mismatch_final": float(np.mean(mm)) if mm else None, **shares, "counts": counts,
         "steps": int(steps[-1]["step"]) if steps else 0, "evals": len(evals),
     }
+
+
+def _counts(runs: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """Per-run (numerators, denominators) of one pooled share, for the cluster bootstrap."""
+    return [r["counts"][key]["num"] for r in runs], [r["counts"][key]["den"] for r in runs]
 
 
 def _run_info(run: Path) -> dict:
@@ -163,11 +195,11 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
     """Across-seed summary of the runs: per mode, and paired against ``reference`` by seed.
 
     Per group (mode, or mode + delta): the mean and min-max over seeds of every
-    :data:`SEED_METRICS` scalar, and the masked fraction pooled over seeds (sum/sum, with
-    a seed-cluster bootstrap interval). Against the reference group (same delta when
+    :data:`SEED_METRICS` scalar, and the :data:`POOLED_SHARES` pooled over seeds (sum/sum,
+    with a seed-cluster bootstrap interval). Against the reference group (same delta when
     there is one), on the seeds both have: the mean paired difference with a seed
     bootstrap interval and the two-sided sign-flip p-value
-    (:func:`pdmask.lab.significance.paired_difference`); for the masked fraction, the
+    (:func:`pdmask.lab.significance.paired_difference`); for the pooled shares, the
     difference of the pooled fractions with a paired cluster bootstrap and the sign-flip
     p-value of the per-seed fraction differences.
 
@@ -202,10 +234,10 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
             stats[k] = ({"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)} if vals else None)
             if stats[k] is not None:
                 stats[k]["per_seed"] = [r[k] for r in rs]
-        pooled = pooled_ratio([r["masked_tokens"] for r in rs], [r["tokens"] for r in rs], **boot).to_dict()
+        pooled = {k: pooled_ratio(*_counts(rs, k), **boot).to_dict() for k in POOLED_SHARES}
         entry = {"group": name, "mode": g["mode"], "delta_high": g["delta_high"], "seeds": seeds,
                  "n_seeds": len(seeds), "steps": sorted({r["steps"] for r in rs}), "metrics": stats,
-                 "masked_frac_pooled": pooled, "runs": {str(s): g["runs"][s] for s in seeds}, "vs_reference": None}
+                 "pooled": pooled, "runs": {str(s): g["runs"][s] for s in seeds}, "vs_reference": None}
         ref = _reference_group(groups, reference, g["delta_high"]) if reference in modes else None
         if reference in modes and ref is None:
             notes.append(f"{name}: no unambiguous {reference} group to pair with (several deltas).")
@@ -220,11 +252,9 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
                 xs = [(x, y) for x, y in xs if x is not None and y is not None]
                 if not xs:
                     vs[k] = None
-                elif k == "masked_frac":
-                    a = [g["runs"][s] for s in common]
-                    b = [rr[s] for s in common]
-                    d = paired_ratio_difference([r["masked_tokens"] for r in a], [r["tokens"] for r in a],
-                                                [r["masked_tokens"] for r in b], [r["tokens"] for r in b], **boot)
+                elif k in POOLED_SHARES:
+                    d = paired_ratio_difference(*_counts([g["runs"][s] for s in common], k),
+                                                *_counts([rr[s] for s in common], k), **boot)
                     sf = sign_flip_test([x - y for x, y in xs], seed=seed)
                     vs[k] = {"estimate": d.estimate, "lo": d.lo, "hi": d.hi, "p": sf.p, "p_method": sf.method,
                              "min_p": sf.min_p, "n": d.n_clusters, "a": d.a, "b": d.b,
@@ -291,19 +321,21 @@ def detectable_cell(d: dict | None) -> str:
     return "none" if sh is None or math.isinf(sh) else f"±{sh:.3f}"
 
 
-def _pooled_cell(p: dict) -> str:
+def _pooled_cell(p: dict, key: str, spec: str) -> str:
     from .significance import format_rate
 
-    return format_rate(p["estimate"], p["lo"], p["hi"], n_units=p["den"], spec=".3%")
+    if p["estimate"] is None:  # no step logged the share's counts
+        return "-"
+    return format_rate(p["estimate"], p["lo"], p["hi"], n_units=p["den"], unit=POOLED_SHARES[key][2], spec=spec)
 
 
 def seed_rows(summary: dict) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
     """(headers, rows) of the per-mode table and of the paired-difference table."""
-    h1 = ["mode", "seeds", "steps"] + [lab for k, lab, _ in SEED_METRICS if k != "masked_frac"] + \
-         ["masked (pooled over seeds)"]
+    h1 = ["mode", "seeds", "steps"] + [lab if k not in POOLED_SHARES else f"{lab} (pooled over seeds)"
+                                       for k, lab, _ in SEED_METRICS]
     r1 = [[e["group"], str(e["n_seeds"]), "/".join(map(str, e["steps"]))]
-          + [_cell(e["metrics"][k], f) for k, _, f in SEED_METRICS if k != "masked_frac"]
-          + [_pooled_cell(e["masked_frac_pooled"])] for e in summary["groups"]]
+          + [_cell(e["metrics"][k], f) if k not in POOLED_SHARES else _pooled_cell(e["pooled"][k], k, f)
+             for k, _, f in SEED_METRICS] for e in summary["groups"]]
     h2 = ["mode", "vs", "paired seeds"] + [lab for _, lab, _ in SEED_METRICS] + [DETECTABLE_HEADER]
     r2 = [[e["group"], e["vs_reference"]["reference_group"], str(e["vs_reference"]["n"])]
           + [_diff_cell(e["vs_reference"][k], f) for k, _, f in SEED_METRICS]
@@ -319,7 +351,7 @@ def seed_tables(summary: dict) -> list:
 
     h1, r1, h2, r2 = seed_rows(summary)
     lv = f"{summary['level']:.0%}"
-    t1 = Table(title=escape("Across seeds: mean (min–max) over seeds; masked: pooled over tokens and seeds "
+    t1 = Table(title=escape("Across seeds: mean (min–max) over seeds; shares: pooled over tokens and seeds "
                             f"[{lv} seed-bootstrap interval]"))
     t2 = Table(title=escape(f"Paired difference vs {summary['reference']} (mean of per-seed differences "
                             f"[{lv} seed-bootstrap interval], two-sided sign-flip p)"))
@@ -341,8 +373,8 @@ def seed_markdown(summary: dict) -> str:
                          + ["| " + " | ".join(r) + " |" for r in rows])
 
     out = [f"## Across seeds ({summary['n_seeds']} seeds per mode at most)", "",
-           f"Mean over seeds (min–max); masked fraction pooled over tokens and seeds [{lv} seed-bootstrap "
-           "interval] (response tokens).", "", table(h1, r1), ""]
+           f"Mean over seeds (min–max); the shares (masked, out of region, disagreement) pooled over tokens and "
+           f"seeds [{lv} seed-bootstrap interval] (their denominators' token counts).", "", table(h1, r1), ""]
     if r2:
         out += [f"Paired by seed against {summary['reference']}: mean of per-seed differences "
                 f"[{lv} seed-bootstrap percentile interval], two-sided sign-flip p "
