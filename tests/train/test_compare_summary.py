@@ -204,6 +204,10 @@ def test_power_column_in_the_paired_table(compare_dir):
     rows = {c[0]: c[col] for c in map(cells, md.splitlines()[md.splitlines().index(
         next(line for line in md.splitlines() if DETECTABLE_HEADER in line)) + 2:]) if len(c) == len(header)}
     assert rows["pdm-topk-kl"] == "none" and rows["none"] == "none"  # 4 seeds: p >= 0.125
+    # the AUC gets its own power column, computed on the AUC's per-seed differences
+    assert "detectable Δ AUC (80% power)" in header
+    auc_det = next(e for e in s["groups"] if e["group"] == "pdm-topk-kl")["vs_reference"]["eval_auc"]["detectable"]
+    assert auc_det["n"] == 4 and auc_det["shift"] is None
     assert "detectable" in s["definitions"]
 
 
@@ -219,3 +223,27 @@ def test_shares_in_the_per_mode_table(compare_dir):
     assert row["pdm-topk-kl"][dis].startswith("25.00% [") and "(3,200 out-of-region tokens)" in row["pdm-topk-kl"][dis]
     assert row["dppo-topk-kl"][dis] == "-"
     assert row["dppo-topk-kl"][cols.index("out of region (pooled over seeds)")].startswith("20.00% [")
+
+
+def test_the_auc_power_line_reads_the_auc_differences(tmp_path):
+    from pdmask.lab.power import detectable_shift
+
+    root = tmp_path / "eight"
+    for mode in ("dppo-topk-kl", "none"):
+        for s in range(8):
+            d = write_run(root, mode, s)
+            if mode == "none":  # a bump at step 2 that varies by seed: the AUC differences vary, the final ones do not
+                recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+                recs[2]["eval_accuracy"] += 0.03 * s * (-1) ** s
+                (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summ = seed_summary(runs_of(root), n_boot=200)
+    g = next(e for e in summ["groups"] if e["group"] == "none")
+    v = g["vs_reference"]
+    ref = next(e for e in summ["groups"] if e["group"] == "dppo-topk-kl")
+    d_auc = [g["runs"][str(s)]["eval_auc"] - ref["runs"][str(s)]["eval_auc"] for s in range(8)]
+    d_fin = [g["runs"][str(s)]["eval_final"] - ref["runs"][str(s)]["eval_final"] for s in range(8)]
+    # 8 seeds can reject: a finite shift, each computed from its own scalar's per-seed differences
+    assert v["eval_auc"]["detectable"]["shift"] == pytest.approx(detectable_shift(d_auc, seed=0).shift)
+    assert v["eval_final"]["detectable"]["shift"] == pytest.approx(detectable_shift(d_fin, seed=0).shift)
+    assert v["eval_final"]["detectable"]["shift"] == 0.0  # the same -0.45 on every seed: no noise
+    assert v["eval_auc"]["detectable"]["shift"] > 0.0

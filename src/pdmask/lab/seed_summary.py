@@ -89,7 +89,9 @@ SEED_DEFINITIONS = {
 
 #: the power column of paired tables (compare's and the ladder's)
 DETECTABLE_HEADER = "detectable Δ final acc (80% power)"
-DETECTABLE_DEFINITION = ("the smallest mean paired difference of final accuracy (either sign) that "
+#: the scalars that get the power line in the paired table: (key, column header)
+POWER_METRICS = (("eval_final", DETECTABLE_HEADER), ("eval_auc", "detectable Δ AUC (80% power)"))
+DETECTABLE_DEFINITION = ("the smallest mean paired difference (either sign) of final accuracy (of the AUC in its own column) that "
                          "a two-sided sign-flip test on these n seeds rejects at alpha = 0.05 with 80% power, the "
                          "noise resampled from the observed per-seed differences (pdmask.lab.power.detectable_shift); "
                          "'none' when n seeds cannot reach p <= 0.05 at all")
@@ -262,7 +264,7 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
                                     "sign-flip p on per-seed fraction differences"}
                 else:
                     vs[k] = paired_difference([x for x, _ in xs], [y for _, y in xs], **boot).to_dict()
-                if k == "eval_final" and len(xs) >= 2:  # the power line: what these seeds could have found
+                if k in dict(POWER_METRICS) and len(xs) >= 2:  # the power line: what these seeds could have found
                     vs[k]["detectable"] = detectable_shift([x - y for x, y in xs], seed=seed).to_dict()
             entry["vs_reference"] = vs
         out_groups.append(entry)
@@ -336,10 +338,10 @@ def seed_rows(summary: dict) -> tuple[list[str], list[list[str]], list[str], lis
     r1 = [[e["group"], str(e["n_seeds"]), "/".join(map(str, e["steps"]))]
           + [_cell(e["metrics"][k], f) if k not in POOLED_SHARES else _pooled_cell(e["pooled"][k], k, f)
              for k, _, f in SEED_METRICS] for e in summary["groups"]]
-    h2 = ["mode", "vs", "paired seeds"] + [lab for _, lab, _ in SEED_METRICS] + [DETECTABLE_HEADER]
+    h2 = ["mode", "vs", "paired seeds"] + [lab for _, lab, _ in SEED_METRICS] + [h for _, h in POWER_METRICS]
     r2 = [[e["group"], e["vs_reference"]["reference_group"], str(e["vs_reference"]["n"])]
           + [_diff_cell(e["vs_reference"][k], f) for k, _, f in SEED_METRICS]
-          + [detectable_cell(e["vs_reference"]["eval_final"])]
+          + [detectable_cell(e["vs_reference"][k]) for k, _ in POWER_METRICS]
           for e in summary["groups"] if e["vs_reference"]]
     return h1, r1, h2, r2
 
