@@ -37,7 +37,7 @@ class Reading:
 
 def _walk(a, b, path: str, r: Reading) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in a.keys() | b.keys():
+        for k in [*a, *(k for k in b if k not in a)]:  # the old build's order, then the new places
             if k not in b:
                 r.only_old.append(f"{path}.{k}")
             elif k not in a:
