@@ -114,7 +114,7 @@ def paired(run_dir: Path, mode: str, references: list[str], drop: float) -> dict
                     "per_seed_final": m["eval_final"]["per_seed"],
                     "mismatch_mean": _mean([mism[r["run"]] for r in e["runs"].values()]),
                     "collapsed": sum(coll.values()), "collapsed_seeds": sorted(int(k) for k, v in coll.items() if v),
-                    "masked_pooled": e["masked_frac_pooled"]}
+                    "masked_pooled": e["pooled"]["masked_frac"]}
         vs = g["vs_reference"]
         common = [str(sd) for sd in vs["seeds"]]
         cm = {sd: collapsed(g["runs"][sd], step0[g["runs"][sd]["run"]], drop) for sd in common}
