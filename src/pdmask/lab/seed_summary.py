@@ -91,8 +91,8 @@ SEED_DEFINITIONS = {
 DETECTABLE_HEADER = "detectable Δ final acc (80% power)"
 #: the scalars that get the power line in the paired table: (key, column header)
 POWER_METRICS = (("eval_final", DETECTABLE_HEADER), ("eval_auc", "detectable Δ AUC (80% power)"))
-DETECTABLE_DEFINITION = ("the smallest mean paired difference (either sign) of final accuracy (of the AUC in its own column) that "
-                         "a two-sided sign-flip test on these n seeds rejects at alpha = 0.05 with 80% power, the "
+DETECTABLE_DEFINITION = ("the smallest mean paired difference (either sign) of final accuracy (of the AUC in "
+                         "its own column) that a two-sided sign-flip test on these n seeds rejects at alpha = 0.05 with 80% power, the "
                          "noise resampled from the observed per-seed differences (pdmask.lab.power.detectable_shift); "
                          "'none' when n seeds cannot reach p <= 0.05 at all")
 SEED_DEFINITIONS["detectable"] = DETECTABLE_DEFINITION
@@ -264,7 +264,7 @@ def seed_summary(runs: list[Path], *, reference: str = DEFAULT_REFERENCE, requir
                                     "sign-flip p on per-seed fraction differences"}
                 else:
                     vs[k] = paired_difference([x for x, _ in xs], [y for _, y in xs], **boot).to_dict()
-                if k in dict(POWER_METRICS) and len(xs) >= 2:  # the power line: what these seeds could have found
+                if any(k == pk for pk, _ in POWER_METRICS) and len(xs) >= 2:  # the power line: what these seeds could have found
                     vs[k]["detectable"] = detectable_shift([x - y for x, y in xs], seed=seed).to_dict()
             entry["vs_reference"] = vs
         out_groups.append(entry)
