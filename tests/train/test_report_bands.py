@@ -104,3 +104,21 @@ def test_a_damaged_summary_is_named_in_one_line(compare_dir, text, says):
     with pytest.raises(ValueError, match=f"{bad}: {says}") as e:
         load_summaries(runs)
     assert "\n" not in str(e.value)
+
+
+def test_every_mode_in_a_figure_gets_its_own_colour():
+    """The regime comparison's six modes once drew `none` and `pdm-smooth-topk-kl` in the same
+    brown (the fallback cycled matplotlib's C0-C9): every registered mode, plus modes a user
+    registers, must get pairwise different colours."""
+    from matplotlib.colors import to_rgb
+
+    from pdmask.lab.report import _COLORS, mode_colors
+    from pdmask.masks import MODES
+
+    names = list(MODES) + [f"user-mode-{i}" for i in range(16 - sum(m not in _COLORS for m in MODES))]
+    colors = mode_colors(names)
+    assert set(colors) == set(names)
+    rgb = [to_rgb(colors[m]) for m in names]
+    assert len(set(rgb)) == len(names), [m for m, c in zip(names, rgb) if rgb.count(c) > 1]
+    # a known mode keeps its colour whatever else is in the figure, so figures read alike
+    assert mode_colors(["user-mode-0", "none"])["none"] == colors["none"] == _COLORS["none"]

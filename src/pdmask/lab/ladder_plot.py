@@ -75,17 +75,18 @@ def plot_ladder(rep: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import _COLORS
+    from .report import mode_colors
 
     data = plot_data(rep)
     modes = list(dict.fromkeys(m for _, m in data))
+    colors = mode_colors(modes)
     fams = list(dict.fromkeys(f for f, _ in data))
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for (fam, mode), d in data.items():
         mi, fi = modes.index(mode), fams.index(fam)
-        color = _COLORS.get(mode, f"C{mi % 10}")
+        color = colors[mode]
         jit = 1.12 ** (mi - (len(modes) - 1) / 2)  # spread modes apart on the log axis
         xs = [x * jit for x in d["x"]]
         lab = mode + (f" [{fam}]" if len(fams) > 1 else "") + f" (n = {min(d['n'])}" + \

@@ -33,7 +33,22 @@ PANELS = [
 
 _COLORS = {"grpo": "tab:gray", "none": "tab:brown", "dppo-topk-kl": "tab:blue", "dppo-topk-tv": "tab:cyan",
            "dppo-binary-kl": "tab:purple", "dppo-binary-tv": "tab:pink", "pdm-topk-kl": "tab:red",
-           "pdm-topk-tv": "tab:orange", "pdm-full-kl": "tab:green", "pdm-full-tv": "tab:olive"}
+           "pdm-topk-tv": "tab:orange", "pdm-full-kl": "tab:green", "pdm-full-tv": "tab:olive",
+           "drpo": "black", "spo": "goldenrod", "pdm-smooth-topk-kl": "darkred", "pdm-smooth-topk-tv": "darkorange"}
+#: colours for modes outside :data:`_COLORS` (a mode registered by a user), none of them in it
+_SPARE = ["navy", "teal", "magenta", "yellowgreen", "slateblue", "sienna", "deepskyblue", "crimson",
+          "darkgreen", "orchid", "steelblue", "peru", "lightcoral", "darkcyan", "indigo", "khaki"]
+
+
+def mode_colors(modes) -> dict[str, str]:
+    """One colour per distinct mode name: a known mode's fixed colour, the next spare colour for
+    any other (spares repeat only past 16 unknown modes in one figure)."""
+    names = list(dict.fromkeys(modes))
+    spare = iter(_SPARE * (1 + len(names) // len(_SPARE)))
+    out = {}
+    for m in names:
+        out[m] = _COLORS.get(m) or next(spare)
+    return out
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
@@ -80,10 +95,10 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
 
     for (fname, title, series, ylabel, w), ax_all in zip(PANELS, axes.flat):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        colors = mode_colors(g.split(" ")[0] for g in groups)
         for a in (ax, ax_all):
-            for gi, (group, rs) in enumerate(groups.items()):
-                mode = group.split(" ")[0]
-                color = _COLORS.get(mode, f"C{gi % 10}")
+            for group, rs in groups.items():
+                color = colors[group.split(" ")[0]]
                 for si, (key, suffix) in enumerate(series):
                     style = "-" if si == 0 else "--"
                     curves = []
@@ -179,10 +194,12 @@ def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
                                                   for x in recs) else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     for ax, (key, title, ylabel, w, logy) in zip(axes, panels):
-        for gi, (g, b) in enumerate(eval_bands(runs, key, w, records).items()):
+        bands = eval_bands(runs, key, w, records)
+        colors = mode_colors(g.split(" ")[0] for g in bands)
+        for g, b in bands.items():
             if not b["steps"]:
                 continue
-            color = _COLORS.get(g.split(" ")[0], f"C{gi % 10}")
+            color = colors[g.split(" ")[0]]
             ax.plot(b["steps"], b["mean"], "-", color=color, lw=1.8, label=f"{g} ({b['seeds']} seeds)")
             if b["seeds"] > 1:
                 ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.15, lw=0)
@@ -213,8 +230,10 @@ def plot_eval_bands(runs: list[Path], out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for gi, (g, b) in enumerate(eval_bands(runs).items()):
-        color = _COLORS.get(g.split(" ")[0], f"C{gi % 10}")
+    bands = eval_bands(runs)
+    colors = mode_colors(g.split(" ")[0] for g in bands)
+    for g, b in bands.items():
+        color = colors[g.split(" ")[0]]
         if not b["steps"]:
             continue
         ax.plot(b["steps"], b["mean"], "-o", color=color, lw=2, ms=3, label=f"{g} (mean of {b['seeds']} seeds)")
