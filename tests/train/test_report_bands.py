@@ -122,3 +122,6 @@ def test_every_mode_in_a_figure_gets_its_own_colour():
     assert len(set(rgb)) == len(names), [m for m, c in zip(names, rgb) if rgb.count(c) > 1]
     # a known mode keeps its colour whatever else is in the figure, so figures read alike
     assert mode_colors(["user-mode-0", "none"])["none"] == colors["none"] == _COLORS["none"]
+    # group labels are coloured by their mode: two deltas of one mode share it, other modes differ
+    g = mode_colors(["user-mode-0 δ=0.02", "user-mode-0 δ=0.05", "user-mode-1 δ=0.02"])
+    assert g["user-mode-0 δ=0.02"] == g["user-mode-0 δ=0.05"] != g["user-mode-1 δ=0.02"]

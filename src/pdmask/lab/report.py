@@ -12,6 +12,7 @@ The across-seed summary with paired tests is in :mod:`pdmask.lab.seed_summary`.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -40,14 +41,16 @@ _SPARE = ["navy", "teal", "magenta", "yellowgreen", "slateblue", "sienna", "deep
           "darkgreen", "orchid", "steelblue", "peru", "lightcoral", "darkcyan", "indigo", "khaki"]
 
 
-def mode_colors(modes) -> dict[str, str]:
-    """One colour per distinct mode name: a known mode's fixed colour, the next spare colour for
-    any other (spares repeat only past 16 unknown modes in one figure)."""
-    names = list(dict.fromkeys(modes))
-    spare = iter(_SPARE * (1 + len(names) // len(_SPARE)))
-    out = {}
-    for m in names:
-        out[m] = _COLORS.get(m) or next(spare)
+def mode_colors(labels) -> dict[str, str]:
+    """A colour per label (a mode, or a group label ``"<mode> δ=..."``), chosen by its mode: a
+    known mode's fixed colour, the next spare colour for any other, so distinct modes in one
+    figure never share a colour (spares repeat only past 16 unknown modes)."""
+    spare, by_mode, out = itertools.cycle(_SPARE), {}, {}
+    for label in dict.fromkeys(labels):
+        mode = label.split(" ")[0]
+        if mode not in by_mode:
+            by_mode[mode] = _COLORS.get(mode) or next(spare)
+        out[label] = by_mode[mode]
     return out
 
 
@@ -93,12 +96,12 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
     written = []
     fig_all, axes = plt.subplots(2, 2, figsize=(13, 8.5))
 
+    colors = mode_colors(groups)
     for (fname, title, series, ylabel, w), ax_all in zip(PANELS, axes.flat):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        colors = mode_colors(g.split(" ")[0] for g in groups)
         for a in (ax, ax_all):
             for group, rs in groups.items():
-                color = colors[group.split(" ")[0]]
+                color = colors[group]
                 for si, (key, suffix) in enumerate(series):
                     style = "-" if si == 0 else "--"
                     curves = []
@@ -195,11 +198,11 @@ def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     for ax, (key, title, ylabel, w, logy) in zip(axes, panels):
         bands = eval_bands(runs, key, w, records)
-        colors = mode_colors(g.split(" ")[0] for g in bands)
+        colors = mode_colors(bands)
         for g, b in bands.items():
             if not b["steps"]:
                 continue
-            color = colors[g.split(" ")[0]]
+            color = colors[g]
             ax.plot(b["steps"], b["mean"], "-", color=color, lw=1.8, label=f"{g} ({b['seeds']} seeds)")
             if b["seeds"] > 1:
                 ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.15, lw=0)
@@ -231,9 +234,9 @@ def plot_eval_bands(runs: list[Path], out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     bands = eval_bands(runs)
-    colors = mode_colors(g.split(" ")[0] for g in bands)
+    colors = mode_colors(bands)
     for g, b in bands.items():
-        color = colors[g.split(" ")[0]]
+        color = colors[g]
         if not b["steps"]:
             continue
         ax.plot(b["steps"], b["mean"], "-o", color=color, lw=2, ms=3, label=f"{g} (mean of {b['seeds']} seeds)")
