@@ -37,10 +37,13 @@ def test_main_exit_status_and_lines(tmp_path, capsys):
     (b / "rung" / "summary.json").write_text(json.dumps({"y": 3}))
     assert main([str(a), str(b)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert "rung/summary.json: 1 numbers read by both, 1 differ; 0 places only the new build has, 0 only the old" in out
+    assert "rung/summary.json: 1 numbers read by both, 1 differ, 0 lost; 0 places only the new build has, 0 only the old" in out
     assert "  .y: 2 -> 3" in out
     (b / "rung" / "summary.json").unlink()
-    assert main([str(a), str(b)]) == 1 and f"rung/summary.json: missing in {b}" in capsys.readouterr().out
+    assert main([str(a), str(b)]) == 1 and f"{b / 'rung' / 'summary.json'}: missing" in capsys.readouterr().out
+    shutil.rmtree(b / "rung")
+    assert main([str(a), str(b)]) == 1
+    assert f"rung/summary.json: missing in {b} (the rung folder rung only the old build has)" in capsys.readouterr().out
     assert main([str(a)]) == 2
 
 
