@@ -63,6 +63,9 @@ REFUSED = [
     ({"vllm_structured_outputs_regex": "a+"}, "vllm_structured_outputs_regex"),
     ({"beta": 0.04, "top_p": 0.9}, "beta"),                                      # KL on a renormalised pi
     ({"beta": 0.04, "generation_kwargs": {"top_k": 5}}, "beta"),
+    ({"beta": float("nan")}, "beta"),                                            # every weight NaN at step 1
+    ({"beta": float("inf")}, "beta"),
+    ({"beta": -0.04}, "beta"),                                                   # rewards leaving the reference
     ({"entropy_coef": 0.01}, "entropy_coef"),
     ({"use_adaptive_entropy": True}, "use_adaptive_entropy"),
     ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold"),

@@ -201,7 +201,16 @@ def _refuse_sequence_ratio(a) -> str | None:
 
 
 def _refuse_beta(a) -> str | None:
-    if a.beta == 0.0 or not sampling(a).truncated:
+    b = a.beta
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        return f"must be a number >= 0, got {b!r}"
+    if not math.isfinite(b):
+        return (f"must be finite, got {b!r}: the first update would turn every weight NaN (and TRL's logged "
+                "loss would read 0); use beta=0.0 for no KL term")
+    if b < 0:
+        return (f"must be >= 0, got {b!r}: a negative KL weight rewards moving away from the reference model; "
+                "use beta=0.0 for no KL term")
+    if b == 0.0 or not sampling(a).truncated:
         return None
     return ("the KL term to the reference model is TRL's, on the full softmax(logits / T), but with top_k / top_p / "
             "min_p the loss's log pi is renormalised over the kept set; set beta=0.0 or sample without truncation")
@@ -229,7 +238,7 @@ OPTIONS: tuple[Option, ...] = (
            "the mask, the ratio and the IS weight are per token. 'sequence' is refused in every mode: grpo "
            "clips each token's ratio pi/mu and the core has no sequence-ratio surrogate; the dppo / pdm / none "
            "modes decide per token (a sequence IS weight there is is_level='sequence')", _refuse_sequence_ratio),
-    Option("beta", "honoured (refused with top_k / top_p / min_p truncation)",
+    Option("beta", "honoured (refused with top_k / top_p / min_p truncation, and unless finite and >= 0)",
            "TRL's k3 KL term to the reference model, added as TRL adds it: beta x (exp(ref - logp) - (ref - logp) "
            "- 1) on every response token, masked ones included, aggregated by loss_type; logged as `kl`. The "
            "reference log-probs are TRL's forward of its ref_model, with position ids as the loss counts them",
