@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 t0=$SECONDS
 . .ci/_venv.sh
 make_venv "${PDMASK_TRITON_VENV:-$(mktemp -d)/venv}"
-inst -e ".[train,test,triton]"
+inst -e ".[train,test,triton]" -c constraints/triton.txt  # pinned (constraints/triton.txt)
 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 echo "triton env: $((SECONDS - t0)) s"
 # the kernel tests only (the rest of tests/ops ran in the main environment)

