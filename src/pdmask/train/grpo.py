@@ -41,6 +41,7 @@ from ..engine.registry import build_engine
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .environment import environment
+from .finite import first_nonfinite, stop, trained_parameters, watch
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
@@ -204,6 +205,7 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
             plens = batch.attention_mask[:, :batch.prompt_len].sum(1).tolist()  # (n,) host ints, one sync
             rlens = batch.response_mask.sum(1).tolist()  # (n,)
             loss_metrics, grad_norms, first = [], [], None
+            watched = []  # per mini-batch: loss, grad norm, weights finite? (finite.py: read with the step's sync)
             for _ in range(cfg.epochs):
                 perm = torch.randperm(n, generator=g).tolist()
                 for j in range(cfg.minibatches):
@@ -215,11 +217,15 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                                           validate=True if first is None and step == start else None)
                     loss_metrics.append(out.metrics)
                     grad_norms.append(gn)
+                    watched.append(watch(out.loss, gn, trained_parameters(opt)))
                     if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
                         first = _mismatch(out.stats, sub.response_mask)
             t2 = time.time()
             # --- log: one host sync for the step's metrics, then timings and (every eval_every) eval
             rec = step_metrics(ro, grad_norms, first, loss_metrics)
+            if (bad := first_nonfinite(watched)) is not None:  # stop before eval, checkpoint, next sampling
+                stop(step + 1, rec, bad, model=model, optimizer=opt, log=log, run_dir=run_dir, cfg=cfg,
+                     summarize=lambda recs: {**summarize(recs, cfg, base), "environment": environment(cfg.threads)})
             ntok = sum(rlens)
             rec.update({"engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0, "time_update_s": t2 - t1,
                         "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
