@@ -5,6 +5,8 @@ Public API (pure tensor functions taking a few typed objects):
 
 - :class:`Rollout` — what the rollout engine reports (sampled ids, ``log mu_k``, top-K,
   response mask; optionally its kept set and full logits); every loss takes one.
+  :class:`Anchor` — a proximal policy pi_old's log-probs, for a region centred on pi_old
+  (``PolicyLoss(anchor="old")``; :mod:`pdmask.anchor`).
 - :class:`Thresholds`, :class:`Corrections`, :class:`Sampling`, :class:`Aggregation`,
   :class:`Compute` — the settings, each checked once when made; :class:`PolicyLoss` holds
   one of each (errors are :class:`SpecError`, naming the field).
@@ -25,6 +27,7 @@ Public API (pure tensor functions taking a few typed objects):
 """
 
 from ._validate import SpecError
+from .anchor import ANCHORS, Anchor
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
 from .keys import ESTIMATORS, SUPPORTS, ddot_key
@@ -43,7 +46,7 @@ from .stats import TokenStats, token_stats
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aggregation", "Compute", "Corrections", "ESTIMATORS", "Hidden", "MODES", "MaskMode", "PolicyLoss",
+    "ANCHORS", "Aggregation", "Anchor", "Compute", "Corrections", "ESTIMATORS", "Hidden", "MODES", "MaskMode", "PolicyLoss",
     "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "SpecError", "Thresholds", "TokenStats",
     "aggregate", "ddot_key", "divergence_region", "get_mode", "importance_weights",
     "loss_from_stats", "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive",

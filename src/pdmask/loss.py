@@ -1,6 +1,7 @@
 """Policy loss: one spec (:class:`PolicyLoss`), one consumer of the statistics
 (:func:`loss_from_stats`: the mode's mask, the corrections, the surrogate, the aggregation,
 the metrics; METHOD.md section 2), and verl's aggregation (:class:`Aggregation`, :func:`aggregate`).
+The anchored loss's behaviour side lives in :mod:`pdmask.anchor`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 
 from . import ops
 from ._validate import Checks, SpecError, check_bool, check_choice, check_count, check_device
-from .corrections import Corrections, apply_corrections
-from .divergences import masked_mean
+from .anchor import ANCHORS, Anchor, Behaviour, anchor_metrics, behaviour_of, check_behaviour, renamed_for_anchor
+from .corrections import Corrections, apply_corrections, is_weight
+from .divergences import floor_neginf, masked_mean
 from .keys import ESTIMATORS, SUPPORTS
 from .masks import (
     MODES, MaskMode, MaskResult, Thresholds, _token_loss, check_advantage_scale, check_inputs_for, decide, get_mode,
@@ -191,7 +193,10 @@ class PolicyLoss:
     specs :class:`pdmask.Thresholds` (None: the mode's deltas), :class:`pdmask.Corrections`
     (None: the token IS weight ``min(r, 5)``), :class:`pdmask.Sampling` (the engine's temperature
     and truncation), :class:`pdmask.Aggregation`, :class:`pdmask.Compute`; ``validate``: check
-    the tensors' values (one host sync; off on a trusted hot path)."""
+    the tensors' values (one host sync; off on a trusted hot path); ``anchor``: where the region
+    is centred (:data:`pdmask.anchor.ANCHORS`): ``"rollout"`` mu, ``"old"`` the call's
+    :class:`pdmask.Anchor` pi_old, with the corrections between pi_old and mu
+    (:mod:`pdmask.anchor`)."""
 
     mode: object = "pdm-topk-kl"
     estimator: str = "exact"
@@ -202,6 +207,7 @@ class PolicyLoss:
     aggregation: Aggregation | None = None
     compute: ops.Compute | None = None
     validate: bool = True
+    anchor: str = "rollout"
     mask_mode: MaskMode = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -215,35 +221,61 @@ class PolicyLoss:
                           ("aggregation", Aggregation), ("compute", ops.Compute)):
             object.__setattr__(self, name, _spec(name, getattr(self, name), cls))
         check_bool("validate", self.validate)
+        check_choice("anchor", self.anchor, ANCHORS)
         object.__setattr__(self, "mask_mode", mode)
         object.__setattr__(self, "thresholds", self.thresholds.resolve(mode))
-        self.corrections.check_surrogate(mode.surrogate, dual_clip=self.thresholds.dual_clip)
+        if self.anchor == "rollout":
+            self.corrections.check_surrogate(mode.surrogate, dual_clip=self.thresholds.dual_clip)
+        elif self.corrections.is_level is None and self.corrections.is_cap_given:
+            raise SpecError("is_cap", "bounds the IS weight pi_old/mu, and is_level=None applies none, so it would "
+                                      "be ignored; set is_level='token' or 'sequence', or remove is_cap")
+        if self.anchor == "old" and not (self.sampling.top_k is None and self.sampling.top_p is None
+                                         and self.sampling.min_p is None):
+            raise SpecError("anchor", "truncated sampling with anchor='old' is not built (pi_old would need "
+                                      "renormalising over the kept set); use anchor='rollout'")
         ops.check_truncation(self.compute.impl, self.sampling, None, None)
 
-    def __call__(self, logits, rollout: Rollout, advantages, *, aggregation: Aggregation | None = None,
-                 extras: Mapping[str, torch.Tensor] | None = None) -> PolicyLossOutput:
-        """The loss of one batch (:func:`policy_loss`); ``aggregation`` replaces the
-        configured one for this call (per-batch global counts)."""
-        agg = self.aggregation if aggregation is None else _spec("aggregation", aggregation, Aggregation)
-        st, adv = self._stats(logits, rollout, advantages, extras, agg)
-        return _loss(self, st, adv, agg)
+    @property
+    def anchored(self) -> bool:
+        """The region is centred on a proximal policy pi_old (``anchor="old"``), not on mu."""
+        return self.anchor == "old"
 
-    def mask(self, logits, rollout: Rollout, advantages, *, extras=None) -> torch.Tensor:
+    def __call__(self, logits, rollout: Rollout, advantages, *, aggregation: Aggregation | None = None,
+                 extras: Mapping[str, torch.Tensor] | None = None, anchor: Anchor | None = None) -> PolicyLossOutput:
+        """The loss of one batch (:func:`policy_loss`); ``aggregation`` replaces the
+        configured one for this call (per-batch global counts); ``anchor``: pi_old's
+        log-probs, required with ``anchor="old"`` (:class:`pdmask.Anchor`)."""
+        agg = self.aggregation if aggregation is None else _spec("aggregation", aggregation, Aggregation)
+        st, adv, beh = self._stats(logits, rollout, advantages, extras, agg, anchor)
+        return _loss(self, st, adv, agg, behaviour=beh)
+
+    def mask(self, logits, rollout: Rollout, advantages, *, extras=None, anchor: Anchor | None = None) -> torch.Tensor:
         """The mode's keep mask (:func:`trust_region_mask`)."""
-        st, adv = self._stats(logits, rollout, advantages, extras, None)
+        st, adv, _ = self._stats(logits, rollout, advantages, extras, None, anchor)
         res = decide(st, adv, self.mask_mode, self.estimator, self.thresholds)
         return res.keep | ~st.valid
 
     def from_stats(self, stats: TokenStats, advantages, response_mask, *, aggregation: Aggregation | None = None,
-                   is_weights=None, loss_weights=None) -> PolicyLossOutput:
+                   is_weights=None, loss_weights=None, behaviour_logprob=None) -> PolicyLossOutput:
         """:func:`loss_from_stats` with this spec."""
         return loss_from_stats(stats, advantages, response_mask, self, aggregation=aggregation,
-                               is_weights=is_weights, loss_weights=loss_weights)
+                               is_weights=is_weights, loss_weights=loss_weights, behaviour_logprob=behaviour_logprob)
 
-    def _stats(self, logits, rollout, advantages, extras, agg) -> tuple[TokenStats, torch.Tensor]:
-        """The producer's statistics, the call's own checks in its first host sync."""
+    def _stats(self, logits, rollout, advantages, extras, agg, anchor=None) -> tuple[TokenStats, torch.Tensor, object]:
+        """The producer's statistics (against the anchor when there is one), the call's own
+        checks in its first host sync, and the behaviour part (None without an anchor)."""
         if not isinstance(rollout, Rollout):
             raise SpecError("rollout", f"must be a pdmask.Rollout, got {type(rollout).__name__}")
+        if self.anchored != (anchor is not None):
+            raise SpecError("anchor", "anchor='old' needs pi_old's log-probs: pass anchor=pdmask.Anchor(...) "
+                                      "(Anchor.from_logits)" if self.anchored else
+                                      "an Anchor was passed, but the loss is centred on the rollout (anchor="
+                                      "'rollout'); build the PolicyLoss with anchor='old'")
+        if anchor is not None and not isinstance(anchor, Anchor):
+            raise SpecError("anchor", f"must be a pdmask.Anchor, got {type(anchor).__name__}")
+        behaviour = rollout
+        if anchor is not None:
+            rollout = anchor.rollout_for(rollout)
         extras, mode = {} if extras is None else dict(extras), self.mask_mode
         if isinstance(logits, ops.Hidden) and "full" in mode.needs:
             works = ", ".join(name for name, m in MODES.items() if "full" not in m.needs)
@@ -268,13 +300,19 @@ class PolicyLoss:
             if checks is not None and agg is not None:
                 agg.check_values(checks)
 
-        st = token_stats(logits, rollout, sampling=self.sampling, compute=self.compute, support=self.support,
-                         validate=self.validate, checks=mine)
+        if anchor is not None and self.validate:  # mu's log-prob enters the correction (its own sync)
+            check_behaviour(behaviour)
+        try:
+            st = token_stats(logits, rollout, sampling=self.sampling, compute=self.compute, support=self.support,
+                             validate=self.validate, checks=mine)
+        except SpecError as err:
+            raise (err if anchor is None else renamed_for_anchor(err)) from None
+        beh = None if anchor is None else behaviour_of(self.mask_mode.divergence, rollout, behaviour, st, logits)
         if extras:  # detached, 0 on padding (where any junk may sit)
             dt = st.log_ratio.dtype
             st = replace(st, extras={k: torch.where(st.valid, t.detach().to(dt), torch.zeros((), dtype=dt,
                                      device=t.device)) for k, t in extras.items()})
-        return st, torch.where(st.valid, got["adv"], torch.zeros_like(got["adv"]))
+        return st, torch.where(st.valid, got["adv"], torch.zeros_like(got["adv"])), beh
 
 
 def _advantages(spec: PolicyLoss, advantages, lead: tuple, valid: torch.Tensor, checks: Checks | None,
@@ -295,14 +333,17 @@ def _advantages(spec: PolicyLoss, advantages, lead: tuple, valid: torch.Tensor, 
         checks.add("advantages", "contains NaN or inf on response tokens", (~torch.isfinite(adv) & valid).any())
         if loss_dtype is not None:  # a loss follows (the mask alone reads only the sign of A)
             th = spec.thresholds
+            # anchored: every surrogate also carries the behaviour weight, at most is_cap
             check_advantage_scale(checks, adv, valid, loss_dtype, spec.mask_mode.surrogate, spec.corrections.is_cap,
-                                  delta=min(th.delta_low, th.delta_high))
+                                  delta=min(th.delta_low, th.delta_high), behaviour_cap=spec.corrections.is_cap
+                                  if spec.anchored else None)
     return adv
 
 
 # ------------------------------------------------------------------ the one consumer
 def loss_from_stats(stats: TokenStats, advantages, response_mask, spec: PolicyLoss, *,
-                    aggregation: Aggregation | None = None, is_weights=None, loss_weights=None) -> PolicyLossOutput:
+                    aggregation: Aggregation | None = None, is_weights=None, loss_weights=None,
+                    behaviour_logprob=None) -> PolicyLossOutput:
     """The loss from :class:`pdmask.TokenStats` (shaped like the (B, T) ``response_mask``;
     ``logp`` carries the gradient): the mode's mask, the corrections, the surrogate,
     :func:`aggregate`, the metrics. :func:`policy_loss` ends here; a plugin handed log-probs
@@ -310,6 +351,9 @@ def loss_from_stats(stats: TokenStats, advantages, response_mask, spec: PolicyLo
     be the defaults; ``aggregation`` replaces its own. ``is_weights``: (B, T) an IS weight against
     the same mu (verl's ``rollout_is_weights``) in place of ``min(r, is_cap)``, 0 masking the
     token (``dppo`` with the default weight only); ``loss_weights``: a factor on each token's loss.
+    With ``spec.anchor="old"`` the statistics are measured against pi_old (their
+    ``sampled_logprob`` is ``log pi_old_k``) and ``behaviour_logprob`` (B, T) is mu's ``log mu_k``:
+    the corrections read ``pi_old / mu``; ``is_weights`` (any surrogate) then replaces that weight.
 
     Naive torch (``dppo`` surrogate, default corrections; ``w_is``, ``w_loss`` default 1)::
 
@@ -341,6 +385,18 @@ def loss_from_stats(stats: TokenStats, advantages, response_mask, spec: PolicyLo
         raise SpecError("stats", f"'logp' must be floating-point, got {stats.logp.dtype}")
     weights = _weights(spec, lead, response_mask, stats.logp.dtype, is_weights=is_weights, loss_weights=loss_weights)
     valid = response_mask.bool()
+    if spec.anchored != (behaviour_logprob is not None):
+        raise SpecError("behaviour_logprob", "anchor='old' needs mu's log-probs (the stats are against pi_old)"
+                        if spec.anchored else "given, but the loss is centred on the rollout (anchor='rollout')")
+    beh = None
+    if behaviour_logprob is not None:
+        if not isinstance(behaviour_logprob, torch.Tensor) or not behaviour_logprob.is_floating_point() \
+                or tuple(behaviour_logprob.shape) != lead:
+            raise SpecError("behaviour_logprob", f"must be a floating-point tensor of shape {lead}")
+        check_device("behaviour_logprob", behaviour_logprob, response_mask)
+        dt = stats.logp.dtype
+        blr = stats.sampled_logprob.detach().to(dt) - behaviour_logprob.detach().to(dt)
+        beh = Behaviour(torch.where(valid, blr, torch.zeros_like(blr)))
     checks = Checks() if spec.validate else None
     adv = _advantages(spec, advantages, lead, valid, checks, stats.logp.dtype)
     adv = adv.to(stats.logp.dtype)
@@ -350,17 +406,20 @@ def loss_from_stats(stats: TokenStats, advantages, response_mask, spec: PolicyLo
                        ((response_mask != 0) & (response_mask != 1)).any())
         for name, w in weights.items():
             checks.add(name, "must be finite and >= 0 on response tokens", (~(torch.isfinite(w) & (w >= 0)) & valid).any())
+        if beh is not None:
+            checks.add("behaviour_logprob", "must be finite on response tokens",
+                       (~torch.isfinite(beh.log_ratio) & valid).any())
         agg.check_values(checks)
         checks.run()
     stats = replace(stats, valid=valid)
-    return _loss(spec, stats, torch.where(valid, adv, torch.zeros_like(adv)), agg, **weights)
+    return _loss(spec, stats, torch.where(valid, adv, torch.zeros_like(adv)), agg, behaviour=beh, **weights)
 
 
 def _weights(spec: PolicyLoss, lead, response_mask, dtype, **given) -> dict[str, torch.Tensor]:
     """``is_weights`` / ``loss_weights`` of :func:`loss_from_stats`, checked and detached."""
     mode = spec.mask_mode
     if given["is_weights"] is not None:
-        if mode.surrogate != "dppo":
+        if mode.surrogate != "dppo" and not spec.anchored:
             raise SpecError("is_weights", f"mode {mode.name!r} uses the {mode.surrogate} surrogate, whose ratio is "
                                           "its weight; only the dppo surrogates take an IS weight")
         if not spec.corrections.default_weight:
@@ -379,25 +438,41 @@ def _weights(spec: PolicyLoss, lead, response_mask, dtype, **given) -> dict[str,
 
 
 def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregation, is_weights=None,
-          loss_weights=None) -> PolicyLossOutput:
+          loss_weights=None, behaviour: Behaviour | None = None) -> PolicyLossOutput:
     """Everything after the statistics, on checked inputs: the mode's mask, the corrections,
-    the surrogate, the aggregation, the metrics (``adv`` 0 on padding)."""
+    the surrogate, the aggregation, the metrics (``adv`` 0 on padding). With ``behaviour``
+    (anchor ``old``) the statistics are against pi_old and the corrections read pi_old/mu."""
     mode, th, corr_spec, valid = spec.mask_mode, spec.thresholds, spec.corrections, stats.valid
     res = decide(stats, adv, mode, spec.estimator, th)
     lead = tuple(valid.shape)
     seq = lead if len(lead) == 2 else (1, -1)  # (B, T); a flat batch is one sequence
-    corr = apply_corrections(corr_spec, stats.log_ratio.reshape(seq), adv.reshape(seq), valid.reshape(seq),
-                             surrogate=mode.surrogate)
+    corr_lr = stats.log_ratio if behaviour is None else behaviour.log_ratio
+    corr = apply_corrections(corr_spec, corr_lr.reshape(seq), adv.reshape(seq), valid.reshape(seq),
+                             surrogate="dppo" if behaviour is not None else mode.surrogate)
     weight = None if corr.weight is None else corr.weight.reshape(lead)
     ck = corr.keep.reshape(lead)
     keep = res.keep & ck
+    w_beh = None  # anchored: the detached behaviour weight w(pi_old / mu) on every surrogate
+    if behaviour is not None:
+        w_beh = is_weight(behaviour.log_ratio, corr_spec.is_cap) if weight is None else weight
+        weight = None
     if is_weights is not None:  # replaces the default weight min(r, C) (checked in loss_from_stats)
-        weight = torch.where(valid, is_weights, torch.zeros_like(is_weights))
-        keep = keep & (weight > 0)  # a weight of 0 (verl's MIS) masks the token
+        w_given = torch.where(valid, is_weights, torch.zeros_like(is_weights))
+        keep = keep & (w_given > 0)  # a weight of 0 (verl's MIS) masks the token
+        if behaviour is None:
+            weight = w_given
+        else:
+            w_beh = w_given
+    if w_beh is not None:
+        w_beh = torch.where(valid, w_beh, torch.zeros_like(w_beh)).to(stats.logp.dtype)
+        if mode.surrogate == "dppo":  # w(rho) min(r', C): anchor = mu gives today's min(r, C)
+            weight = w_beh * is_weight(floor_neginf(stats.log_ratio), corr_spec.is_cap)
     if mode.surrogate == "smooth":  # its weight (a correction has none here: check_surrogate)
         weight = res.weight
     per, keep_eff = _token_loss(stats.logp, stats.log_ratio, adv, keep, mode.surrogate, corr_spec.is_cap, th.eps_low,
                                 th.eps_high, weight, th.dual_clip, th.delta_low, th.delta_high, stats.sampled_logprob)
+    if w_beh is not None and mode.surrogate != "dppo":
+        per = per * w_beh
     # A correction removes the token from the loss in every surrogate (ppo-clip keeps the
     # constant value of a clipped token, but a rejected one contributes nothing).
     per = torch.where(ck, per, torch.zeros_like(per))
@@ -407,42 +482,45 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
     loss = aggregate(per.reshape(seq), valid.reshape(seq), agg, validate=False)
     metrics = mask_metrics(res, keep_eff, stats, adv, valid)
     metrics.update(corr.metrics)
-    if is_weights is not None:
+    if is_weights is not None and behaviour is None:
         metrics["is_weight_mean"] = masked_mean(weight, valid).detach()
         metrics["masked_frac_is"] = ((weight <= 0) & valid).sum().to(weight.dtype).div(valid.sum().clamp(min=1)).detach()
+    if behaviour is not None:
+        metrics.update(anchor_metrics(behaviour, w_beh, adv, valid, th.delta_low, th.delta_high))
     metrics["loss"] = loss.detach()
     return PolicyLossOutput(loss, metrics, per, keep_eff | ~valid, stats)
 
 
 # ------------------------------------------------------------------ functions
 def policy_loss(logits, rollout: Rollout, advantages, *, extras: Mapping[str, torch.Tensor] | None = None,
-                **spec) -> PolicyLossOutput:
+                anchor: Anchor | None = None, **spec) -> PolicyLossOutput:
     """Trust-region policy-gradient loss: ``PolicyLoss(**spec)(logits, rollout, advantages)``.
 
     ``logits``: (B, T, V) trainer logits (fp32/bf16/fp16/fp64), or :class:`pdmask.Hidden`;
     ``rollout``: :class:`pdmask.Rollout`; ``advantages``: (B, T) or (B,); ``extras``: per-token
-    tensors a mode reads besides the statistics (:attr:`pdmask.MaskMode.extras`); ``**spec``: the
+    tensors a mode reads besides the statistics (:attr:`pdmask.MaskMode.extras`); ``anchor``:
+    pi_old's log-probs (:class:`pdmask.Anchor`; with ``anchor="old"`` in the spec); ``**spec``: the
     fields of :class:`PolicyLoss`. Returns :class:`PolicyLossOutput` (``mask``: the final keep
     mask, mode and corrections). Naive equivalent (``pdm-topk-kl``, default corrections)::
 
         st = token_stats(logits, rollout); M = trust_region_mask(logits, rollout, A)
         loss = (-(M * st.ratio.clamp(max=5) * A * st.logp) * mask).sum() / mask.sum()
     """
-    return PolicyLoss(**spec)(logits, rollout, advantages, extras=extras)
+    return PolicyLoss(**spec)(logits, rollout, advantages, extras=extras, anchor=anchor)
 
 
-def policy_loss_from_hidden(hidden, lm_head_weight, rollout: Rollout, advantages, *, extras=None,
+def policy_loss_from_hidden(hidden, lm_head_weight, rollout: Rollout, advantages, *, extras=None, anchor=None,
                             **spec) -> PolicyLossOutput:
     """:func:`policy_loss` of ``logits = hidden @ lm_head_weight.T`` without the (B, T, V)
     logits: ``hidden`` (B, T, H) final hidden states (after the last norm), ``lm_head_weight``
     (V, H) (no bias, no soft-capping); the logits exist one chunk of rows at a time, also in
     the backward, which gives gradients to both. ``rollout.logits`` is refused.
     Naive equivalent: ``policy_loss(hidden @ lm_head_weight.T, rollout, advantages, **spec)``."""
-    return PolicyLoss(**spec)(ops.Hidden(hidden, lm_head_weight), rollout, advantages, extras=extras)
+    return PolicyLoss(**spec)(ops.Hidden(hidden, lm_head_weight), rollout, advantages, extras=extras, anchor=anchor)
 
 
-def trust_region_mask(logits, rollout: Rollout, advantages, *, extras=None, **spec) -> torch.Tensor:
+def trust_region_mask(logits, rollout: Rollout, advantages, *, extras=None, anchor=None, **spec) -> torch.Tensor:
     """The mode's keep mask (B, T) bool, False iff out of region and outward (padding True;
     arguments as :func:`policy_loss`). Naive, ``pdm-topk-kl``: ``st = token_stats(logits, rollout);
     M = ~((st.topk.topk_kl > where(A > 0, dh, dl)) & (A * st["ddot_topk_kl_exact"] > 0))``."""
-    return PolicyLoss(**spec).mask(logits, rollout, advantages, extras=extras)
+    return PolicyLoss(**spec).mask(logits, rollout, advantages, extras=extras, anchor=anchor)

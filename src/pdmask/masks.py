@@ -424,10 +424,13 @@ def advantage_limit(surrogate: str, is_cap: float, dtype: torch.dtype, *, delta:
 
 
 def check_advantage_scale(checks: Checks, adv, valid, dtype: torch.dtype, surrogate: str, is_cap: float,
-                          delta: float | None = None) -> None:
-    """``sum |A|`` within :func:`advantage_limit` of the loss's dtype (``dtype`` promoted to float32)."""
+                          delta: float | None = None, behaviour_cap: float | None = None) -> None:
+    """``sum |A|`` within :func:`advantage_limit` of the loss's dtype (``dtype`` promoted to float32),
+    divided by ``behaviour_cap`` (an anchored loss's bound on its behaviour weight) when given."""
     dtype = torch.promote_types(dtype, torch.float32)
     limit = advantage_limit(surrogate, is_cap, dtype, delta=delta)
+    if behaviour_cap is not None:
+        limit = limit / (behaviour_cap if math.isfinite(behaviour_cap) else math.exp(MAX_LOG_RATIO))
     total = torch.where(valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
                                                                                device=adv.device)).sum()
     what = f"is_cap={is_cap:g}" if surrogate in ("dppo", "ppo-clip") else f"delta={delta:g}"

@@ -8,9 +8,11 @@ import torch
 import pdmask
 from tests.test_layers import CORE_MODULES, SRC
 
-#: The budgets (issue 32's "done means"; 14 modules and about 3,950 lines before it).
+#: The budgets (issue 32's "done means"; 14 modules and about 3,950 lines before it). The line
+#: budget grew by the anchor (issue 44: `anchor.py` and the three-policy loss, about 280 lines);
+#: issue 42 replaces it with a budget on the interface (the files an addition must change).
 MAX_MODULES = 7
-MAX_LINES = 3000
+MAX_LINES = 3300
 
 
 def _quickstart():

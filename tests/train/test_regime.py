@@ -108,3 +108,57 @@ def test_the_report_table_has_one_row_per_rung_and_mode(tmp_path):
     assert len(rows) == 2 and rows[0][-1] == "-0.80, 0 up / 1 down of 1 seeds, p = 1" and rows[1][-1] == "-"
     assert rows[0][:5] == ["hot", "breaks", "none", "1/1 [0.02, 1.00]", "s0: ending @5"]  # 0.025 in float: 0.0249..
     assert rows[1][2:5] == ["dppo-topk-kl", "0/1 [0.00, 0.98]", "s0: -"]
+
+
+# ------------------------------------------------------------------ the stale-engine criteria
+def stale(r, sync_every=8):
+    return regime.judge_stale(r, sync_every=sync_every)
+
+
+def test_a_steady_learning_run_meets_no_stale_criterion():
+    r = recs(24, evals={4: 0.4, 8: 0.5, 24: 0.6})
+    for x in r:
+        if "eval_accuracy" in x:
+            x["eval_finished"] = 0.95
+    assert stale(r) == {}
+
+
+@pytest.mark.parametrize("over, evals, finished, want", [
+    # the sampled finish rate: <= half its start (0.9 -> 0.45 exactly is a break: the comparison is <=)
+    ({"finish_rate": {s: 0.45 for s in range(5, 25)}}, {24: 0.6}, None, {"ending_sampled": 7}),
+    ({"finish_rate": {s: 0.46 for s in range(5, 25)}}, {24: 0.6}, None, {}),
+    # greedy answers: at most half end at an eval after step 0 (<=)
+    ({}, {8: 0.5, 24: 0.6}, {8: 0.5}, {"ending_greedy": 8}),
+    ({}, {8: 0.5, 24: 0.6}, {8: 0.51}, {}),
+    # accuracy 0.15 below its running best (>=), and the end below start + 0.15 (<)
+    ({}, {8: 0.6, 24: 0.44}, None, {"accuracy": 24, "no_learning": 24}),
+    ({}, {8: 0.8, 24: 0.64}, None, {"accuracy": 24}),
+    ({}, {24: 0.44}, None, {"no_learning": 24}),
+    ({}, {24: 0.45}, None, {}),
+    # the mismatch: a sync cycle's mean above 10 fp8 floors (0.0931), one bar for every mode
+    ({"mismatch_topk_kl": {s: 0.1 for s in range(1, 25)}}, {24: 0.6}, None, {"mismatch": 8}),
+    ({"mismatch_topk_kl": {s: 0.09 for s in range(1, 25)}}, {24: 0.6}, None, {}),
+])
+def test_each_stale_criterion_fires_at_its_threshold(over, evals, finished, want):
+    r = recs(24, evals=evals, **over)
+    for x in r:
+        if "eval_accuracy" in x:
+            x["eval_finished"] = (finished or {}).get(x["step"], 0.95)
+    assert stale(r) == want
+
+
+def test_entropy_collapse_counts_only_with_another_criterion():
+    collapse = {"entropy_mean": {s: 0.1 for s in range(5, 25)}}
+    r = recs(24, evals={24: 0.6}, **collapse)
+    assert stale(r) == {}  # collapsed, but learned and kept ending: not counted
+    r = recs(24, evals={24: 0.3}, **collapse)
+    assert stale(r) == {"no_learning": 24, "entropy": 7}
+
+
+def test_every_stale_criterion_has_its_definition():
+    assert tuple(regime.STALE_DEFINITIONS) == regime.STALE_CRITERIA
+    # the fp8 floor is the task statistics' lag-0 fp8 mean top-K KL
+    from pathlib import Path
+    md = (Path(__file__).resolve().parents[2] / "docs/results/real-lm/task_stats.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| topk_kl, mean"))
+    assert float(row.split("|")[3]) == regime.FP8_FLOOR_TOPK_KL

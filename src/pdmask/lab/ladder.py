@@ -15,6 +15,7 @@ The ladder is described by a YAML spec (``configs/ladder.yaml``)::
     collapse_drop: 0.15              # a run collapsed if its worst drop >= this (or it ends below step 0)
     set: {}                          # overrides for every run of the ladder
     mode_set: {drpo: {delta_low: 0.1, delta_high: 0.1}}   # overrides for one mode's runs (its own scale)
+    # a label MODE@VARIANT runs MODE again with its own mode_set (e.g. dppo-topk-kl@old: {anchor: old})
     rungs:
       - {name: fp32, label: fp32, set: {engine_precision: fp32}}
       - {name: fp8-sync8, set: {engine_precision: fp8-bf16, sync_every: 8}, extra_modes: [pdm-batch-topk-kl]}
@@ -129,7 +130,11 @@ def _modes_list(v, where: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(m, str) for m in v):
         raise ValueError(f"{where}: expected a list of mode names, got {v!r}")
     for m in v:
-        check_choice(where, m, tuple(MODES))
+        base, _, variant = m.partition("@")
+        check_choice(where, base, tuple(MODES))
+        if "@" in m and not variant.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{where}: {m!r}: a mode label is MODE@VARIANT, VARIANT letters, digits, - or _ "
+                             "(its settings go in mode_set)")
     if len(set(v)) != len(v):
         raise ValueError(f"{where}: a mode is listed twice ({', '.join(v)})")
     return list(v)
@@ -226,6 +231,12 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
 
 
 # ------------------------------------------------------------------ cells
+def mode_of(label: str) -> str:
+    """The mode of a cell's label: a registered mode name, or ``MODE@VARIANT`` (the same mode
+    run with other settings, e.g. ``dppo-topk-kl@old`` with ``anchor: old`` in ``mode_set``)."""
+    return label.partition("@")[0]
+
+
 def cell_config(spec: LadderSpec, rung: Rung, mode: str, seed: int, out: Path) -> TrainConfig:
     """The run config of one cell: rung preset < spec ``set`` < command line < rung ``set`` <
     the spec's ``mode_set`` of the cell's mode."""
@@ -233,7 +244,7 @@ def cell_config(spec: LadderSpec, rung: Rung, mode: str, seed: int, out: Path) -
               *spec.mode_set.get(mode, {}).items()]
     try:
         cfg = load_config(rung.config, values)
-        return replace(cfg, {"loss.mode": mode}, seed=seed, name=f"{mode}-s{seed}", out_dir=str(out / rung.name),
+        return replace(cfg, {"loss.mode": mode_of(mode)}, seed=seed, name=f"{mode}-s{seed}", out_dir=str(out / rung.name),
                        progress=False)
     except ValueError as e:
         raise ValueError(f"rung {rung.name}: {e}") from None

@@ -18,6 +18,22 @@ one place they are written; the page prints them from here):
 A rung (one setting) **breaks** when :data:`UNGUARDED` (``none``) breaks on at least one
 seed while :data:`GUARD` (``dppo-topk-kl``) in the same rung breaks on none.
 
+The stale-engine comparison (``configs/real-stale.yaml``, docs/real_rl.md, "The stale engine")
+fixed a second set before its first run, :data:`STALE_CRITERIA` (:func:`judge_stale`), each
+reported on its own, never as a union:
+
+- ``ending_sampled``: the sampled finish rate (3-step moving mean, from step 4) is ``<=``
+  :data:`FINISH_FALL` x its start (mean of steps 1-3);
+- ``ending_greedy``: at an eval after step 0, the greedy answers' share that end is ``<=``
+  :data:`GREEDY_ENDING_FLOOR` (most held-out answers no longer end);
+- ``accuracy``: held-out accuracy ``>=`` :data:`ACC_DROP` below its running best;
+- ``no_learning``: final held-out accuracy ``<`` start + :data:`LEARN_GAIN`;
+- ``entropy``: the entropy (3-step moving mean, from step 4) ``<`` :data:`ENTROPY_COLLAPSE` x
+  its start, counted only when one of the four above also holds;
+- ``mismatch``: the engine mismatch (top-K KL before each step's updates, moving mean over a
+  sync cycle) ``>`` :data:`MISMATCH_RUNAWAY_ABS` x :data:`FP8_FLOOR_TOPK_KL`, the lag-0 fp8
+  engine's mean top-K KL (docs/results/real-lm/task_stats.md): one absolute bar for every mode.
+
 Naive equivalent of one criterion::
 
     start = mean(finish_rate[:3]); ending = any(moving_mean(finish_rate, 3)[1:] < 0.5 * start)
@@ -50,6 +66,76 @@ DEFINITIONS = {
     "mismatch": f"the engine mismatch (top-K KL, moving mean over a sync cycle) exceeds {MISMATCH_RUNAWAY:g}x its "
                 "first cycle's",
 }
+
+
+# ------------------------------------------------------------------ the stale-engine criteria
+#: the greedy-ending bar: at most this share of held-out greedy answers end
+GREEDY_ENDING_FLOOR = 0.5
+#: did not learn: final held-out accuracy below start + this
+LEARN_GAIN = 0.15
+#: the fp8 engine's mean top-K KL at lag 0 (docs/results/real-lm/task_stats.md, fp8 column)
+FP8_FLOOR_TOPK_KL = 0.00931
+#: mismatch runaway: the cycle's mean top-K KL above this many fp8 floors
+MISMATCH_RUNAWAY_ABS = 10.0
+#: how the pi_old-anchored modes' delta is chosen, fixed before the comparison's pilot ran: the q90
+#: of the top-K KL(pi_old || pi) after one mini-batch update, i.e. the trainer's
+#: ``mb2_divergence_q90`` with ``anchor: old`` and mode ``none`` (no mask: the drift as it is),
+#: averaged over the first 3 steps of one pilot run at seed 100 (outside the comparison's seeds
+#: 0-7), in the comparison's cell; the mu-anchored modes keep delta = 0.02, the fp8 engine's q90
+STALE_OLD_DELTA_RULE = ("q90 of top-K KL(pi_old || pi) after one mini-batch (mb2_divergence_q90, anchor old, mode "
+                        "none), mean over steps 1-3 of a pilot run at seed 100 in the comparison's cell")
+#: the stale-engine comparison's criteria, in the page's order (entropy counts only with another)
+STALE_CRITERIA = ("ending_sampled", "ending_greedy", "accuracy", "no_learning", "entropy", "mismatch")
+STALE_DEFINITIONS = {
+    "ending_sampled": f"the sampled finish rate (3-step moving mean, from step 4) <= {FINISH_FALL:g}x its start "
+                      "(mean of steps 1-3)",
+    "ending_greedy": f"at an eval after step 0, the share of greedy held-out answers that end <= "
+                     f"{GREEDY_ENDING_FLOOR:g}",
+    "accuracy": f"held-out accuracy >= {ACC_DROP:g} below its running best",
+    "no_learning": f"final held-out accuracy < start + {LEARN_GAIN:g}",
+    "entropy": f"the entropy (3-step moving mean, from step 4) < {ENTROPY_COLLAPSE:g}x its start, counted only "
+               "when one of the four criteria above also holds",
+    "mismatch": f"the engine mismatch (top-K KL before each step's updates, moving mean over a sync cycle) > "
+                f"{MISMATCH_RUNAWAY_ABS:g} x {FP8_FLOOR_TOPK_KL:g} (the lag-0 fp8 engine's mean top-K KL)",
+}
+
+
+def judge_stale(recs: list[dict], *, sync_every: int) -> dict[str, int]:
+    """The :data:`STALE_CRITERIA` a run's metrics records meet, each with the first step it was
+    met at (an empty dict: none). Records without the finish rate cannot be judged: ValueError."""
+    steps = [r for r in recs if r.get("step", 0) > 0]
+    if any(r.get("finish_rate") is None for r in steps):
+        raise ValueError("metrics: a record without finish_rate; this run cannot be judged on the stale criteria")
+    evals = [(r["step"], r["eval_accuracy"], r.get("eval_finished")) for r in recs if r.get("eval_accuracy") is not None]
+    out: dict[str, int] = {}
+    fin = [float(r["finish_rate"]) for r in steps]
+    if len(fin) >= 4:
+        s0 = sum(fin[:3]) / 3
+        hit = next((i + 3 for i, x in enumerate(moving_mean(fin, 3)) if i >= 1 and x <= FINISH_FALL * s0), None)
+        if hit is not None:
+            out["ending_sampled"] = hit
+    hit = next((s for s, _, f in evals if s > 0 and f is not None and f <= GREEDY_ENDING_FLOOR), None)
+    if hit is not None:
+        out["ending_greedy"] = hit
+    best = None
+    for s, a, _ in evals:
+        best = a if best is None else max(best, a)
+        if best - a >= ACC_DROP - 1e-9:
+            out.setdefault("accuracy", s)
+    if len(evals) >= 2 and evals[-1][1] < evals[0][1] + LEARN_GAIN - 1e-9:
+        out["no_learning"] = evals[-1][0]
+    ent = [float(r["entropy_mean"]) for r in steps if r.get("entropy_mean") is not None]
+    if out and len(ent) >= 4:
+        s0 = sum(ent[:3]) / 3
+        hit = next((i + 3 for i, x in enumerate(moving_mean(ent, 3)) if i >= 1 and x < ENTROPY_COLLAPSE * s0), None)
+        if hit is not None:
+            out["entropy"] = hit
+    k = max(int(sync_every), 1)
+    mis = [float(r["mismatch_topk_kl"]) for r in steps if r.get("mismatch_topk_kl") is not None]
+    hit = next((i + k for i, x in enumerate(moving_mean(mis, k)) if x > MISMATCH_RUNAWAY_ABS * FP8_FLOOR_TOPK_KL), None)
+    if hit is not None:
+        out["mismatch"] = hit
+    return dict(sorted(out.items(), key=lambda kv: STALE_CRITERIA.index(kv[0])))
 
 
 def moving_mean(xs: list[float], n: int) -> list[float]:

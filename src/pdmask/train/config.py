@@ -127,6 +127,8 @@ class TrainConfig:
     full_logits: bool = _f(False, "also fetch the engine's full logits (oracle mismatch metrics; needed by pdm-full-* modes)")
     # ---------------------------------------------------------------- logging / checkpoints
     eval_every: int = _f(5, "held-out greedy accuracy every N steps (and at step 0 and the end)")
+    eval_answers: int = _f(0, "save the greedy answers of the first N held-out prompts at each eval, in "
+                              "eval_answers.jsonl beside metrics.jsonl (0: none), to read how answers drift")
     checkpoint_every: int = _f(10, "save a resumable checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept on disk (older ones are deleted); with 2 or more a corrupt newest "
                                   "checkpoint falls back to the previous one on resume")

@@ -6,6 +6,7 @@ Per step::
     rollout   prompts x group_size -> engine.generate -> tokens, log mu_k, top-K of mu
     reward    rule-based reward of each decoded response
     advantage GRPO: r - mean(group) [/ std(group)]          (the three: rollout.rollout_step)
+    anchor    anchor: old only: one no-grad forward of the pre-update weights -> pi_old
     update    for each of `minibatches` slices (x epochs): one trainer forward ->
               cfg.loss (one pdmask.PolicyLoss) -> backward -> clip -> AdamW step
               (over the trainable parameters: all, top-N blocks or LoRA; trainable.py)
@@ -15,11 +16,14 @@ Per step::
 
 How it departs from textbook GRPO (on purpose; this is what the masks are about):
 
-- The trust region is anchored to the **rollout engine's** policy mu (the log-probs the
-  engine reported while sampling), not to a recomputed "old" trainer policy: there is
-  no old-policy forward at all. The ratio ``r = pi_k / mu_k`` therefore contains the
-  training-inference mismatch (engine precision, policy lag) as well as the drift of
-  the earlier mini-batch updates of the same step.
+- By default (``anchor: rollout``) the trust region is anchored to the **rollout engine's**
+  policy mu (the log-probs the engine reported while sampling), not to a recomputed "old"
+  trainer policy: there is no old-policy forward at all. The ratio ``r = pi_k / mu_k``
+  therefore contains the training-inference mismatch (engine precision, policy lag) as
+  well as the drift of the earlier mini-batch updates of the same step. With
+  ``anchor: old`` one no-grad forward of the pre-update weights gives pi_old: the region
+  measures pi against it, and ``min(pi_old / mu, C)`` corrects for the engine
+  (:mod:`.anchoring`; docs/core.md, "Choosing the anchor").
 - The loss is whatever ``cfg.loss`` (:class:`pdmask.PolicyLoss`) computes for its mode: for the
   divergence modes the DPPO-style ``-M sg(min(r, C)) A log pi_k``; for ``grpo`` the
   PPO clipped surrogate with clip-higher and dual clip. Masks are chosen by name.
@@ -51,6 +55,7 @@ from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
+from .anchoring import BindingLog, old_anchor, region_warning
 from .update import make_optimizer, select, update_step
 
 __all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
@@ -174,16 +179,20 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
     base = sft_info(S.base_path)
     scorers = eval_rewards(cfg)
 
-    def evaluate() -> dict[str, float]:
-        t = time.time()
-        ev = greedy_eval(model, tok, S.eval_ids, ev_answers, scorers, max_new_tokens=cfg.max_new_tokens)
+    def evaluate(at: int) -> dict[str, float]:
+        t, texts = time.time(), []
+        ev = greedy_eval(model, tok, S.eval_ids, ev_answers, scorers, max_new_tokens=cfg.max_new_tokens, texts=texts)
+        save_answers(run_dir, at, texts[:cfg.eval_answers])  # a few greedy answers, to read the format drift
         return {f"eval_{k}": v for k, v in ev.items()} | {"time_eval_s": time.time() - t}
 
+    # a resumed run rewrites what followed its checkpoint (a fresh start: everything)
+    truncate_jsonl(run_dir / "eval_answers.jsonl", start if start else -1)
     if start == 0:
-        log.log({"step": 0, **evaluate(), "num_params": num_params(model),
+        log.log({"step": 0, **evaluate(0), "num_params": num_params(model),
                  "num_trainable_params": sum(p.numel() for p in trainable_parameters(model)),
                  "sft_eval_accuracy": base.get("eval_greedy_accuracy")})
     t_run = time.time()
+    warned = False  # the out-of-region-before-any-update warning, once per run
     with make_progress(cfg.progress, console) as prog:
         bar = prog.add_task(f"RL {cfg.run_name}", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
@@ -206,23 +215,32 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
             rlens = batch.response_mask.sum(1).tolist()  # (n,)
             loss_metrics, grad_norms, first = [], [], None
             watched = []  # per mini-batch: loss, grad norm, weights finite? (finite.py: read with the step's sync)
-            for _ in range(cfg.epochs):
-                perm = torch.randperm(n, generator=g).tolist()
+            perms = [torch.randperm(n, generator=g).tolist() for _ in range(cfg.epochs)]
+            # --- anchor old: pi_old = these pre-update weights, one no-grad forward for every mini-batch
+            anchor = old_anchor(model, batch, adv, perms[0], mb, select, plens, rlens, cfg) \
+                if cfg.loss.anchored else None
+            binds = BindingLog(cfg.minibatches)  # where the region binds, by mini-batch index
+            for perm in perms:
                 for j in range(cfg.minibatches):
                     idx = perm[j * mb:(j + 1) * mb]
                     sub = select(batch, idx, plens, rlens)  # (mb, p + t), padding columns trimmed
                     # full input validation once per run (first update): the engine's outputs
                     # are then trusted and the hot path skips the host sync (loss.validate: always)
                     out, gn = update_step(model, opt, sub, adv[idx], cfg,
-                                          validate=True if first is None and step == start else None)
+                                          validate=True if first is None and step == start else None,
+                                          anchor=None if anchor is None else anchor.rows(idx, sub))
                     loss_metrics.append(out.metrics)
                     grad_norms.append(gn)
                     watched.append(watch(out.loss, gn, trained_parameters(opt)))
+                    binds.update(j, out, sub, adv[idx], cfg, anchor, first=first is None)
                     if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
                         first = _mismatch(out.stats, sub.response_mask)
             t2 = time.time()
             # --- log: one host sync for the step's metrics, then timings and (every eval_every) eval
-            rec = step_metrics(ro, grad_norms, first, loss_metrics)
+            rec = step_metrics(ro, grad_norms, {**first, **binds.metrics()}, loss_metrics)
+            if not warned and (warning := region_warning(rec, cfg)) is not None:
+                warned = True
+                console.print(f"[yellow]warning:[/yellow] step {step + 1}: {warning}", soft_wrap=True)
             if (bad := first_nonfinite(watched)) is not None:  # stop before eval, checkpoint, next sampling
                 stop(step + 1, rec, bad, model=model, optimizer=opt, log=log, run_dir=run_dir, cfg=cfg,
                      summarize=lambda recs: {**summarize(recs, cfg, base), "environment": environment(cfg.threads)})
@@ -230,7 +248,7 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
             rec.update({"engine_lag": step % cfg.sync_every, "time_rollout_s": t1 - t0, "time_update_s": t2 - t1,
                         "update_s_per_1k_tokens": 1000 * (t2 - t1) / max(ntok, 1)})
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                rec.update(evaluate())
+                rec.update(evaluate(step + 1))
             rec["time_step_s"] = time.time() - t0
             rec["tokens_per_s"] = ntok / max(t2 - t0, 1e-9)
             rec["wall_s"] = time.time() - t_run
@@ -248,6 +266,13 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
     with writing(run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def save_answers(run_dir, step: int, texts: list[str]) -> None:
+    """Append the greedy answers of one eval to ``eval_answers.jsonl`` (nothing when none are kept)."""
+    if texts:
+        with writing(run_dir / "eval_answers.jsonl"), open(run_dir / "eval_answers.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "answers": texts}) + "\n")
 
 
 # ------------------------------------------------------------------ metrics

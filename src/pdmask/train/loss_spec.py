@@ -36,7 +36,7 @@ LOSS_ALIASES = {
     **{k: f"corrections.{k}" for k in CORRECTION_FIELDS},
     "temperature": "sampling.temperature", "sampling_top_k": "sampling.top_k",
     "sampling_top_p": "sampling.top_p", "sampling_min_p": "sampling.min_p",
-    "loss_agg": "aggregation.loss_agg",
+    "loss_agg": "aggregation.loss_agg", "anchor": "anchor",
 }
 #: Where the trainer's loss departs from the core's defaults (clip-higher; no data checks
 #: on the hot path, whose inputs come from the trainer's own engine).

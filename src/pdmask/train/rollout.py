@@ -145,11 +145,12 @@ def rollout_step(engine, tokenizer, prompts: list[list[int]], answers: list[str]
 
 @torch.no_grad()
 def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str], rewards: dict, *,
-                max_new_tokens: int, batch_size: int = 256) -> dict[str, float]:
+                max_new_tokens: int, batch_size: int = 256, texts: list | None = None) -> dict[str, float]:
     """Greedy decoding on held-out prompts, scored by several reward functions.
 
     Returns ``{name: mean reward for each name in rewards, "length": mean response length,
-    "finished": share of responses that end (write EOS) within max_new_tokens}``."""
+    "finished": share of responses that end (write EOS) within max_new_tokens}``; ``texts``, when
+    given, receives every decoded response in prompt order."""
     was_training = model.training
     model.eval()
     total = dict.fromkeys(rewards, 0.0)
@@ -157,9 +158,11 @@ def greedy_eval(model, tokenizer, prompt_ids: list[list[int]], answers: list[str
     for s in range(0, len(prompt_ids), batch_size):
         b = sample(model, prompt_ids[s:s + batch_size], max_new_tokens=max_new_tokens,
                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, greedy=True, top_k_logprobs=1)
-        texts = decode_responses(tokenizer, b)
+        decoded = decode_responses(tokenizer, b)
+        if texts is not None:
+            texts.extend(decoded)
         for name, fn in rewards.items():
-            total[name] += float(rewards_for(texts, answers[s:s + batch_size], fn).sum())
+            total[name] += float(rewards_for(decoded, answers[s:s + batch_size], fn).sum())
         length += float(b.response_mask.sum())
         finished += float(response_shape(b, tokenizer.eos_token_id)[0].sum())
     model.train(was_training)

@@ -92,7 +92,8 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
 
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool | None = None, optimizer: torch.optim.Optimizer | None = None) -> PolicyLossOutput:
+                 validate: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 anchor=None) -> PolicyLossOutput:
     """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
 
     Args:
@@ -109,6 +110,7 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         optimizer: the optimizer that will take the step this loss is for. Required by
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
             batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
+        anchor: pi_old's :class:`pdmask.Anchor` for this batch (``anchor: old``), else None.
 
     Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached;
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
@@ -118,10 +120,11 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
     fwd = forward_for(spec.mode)
     if fwd is not None:  # loss_from=logits (the config refuses hidden here)
         logits, extra, more = fwd.forward(model, optimizer, batch, adv, cfg, validate=spec.validate)  # (B, T, V)
-        out = spec(logits, batch.rollout, adv, **extra)
+        out = spec(logits, batch.rollout, adv, anchor=anchor, **extra)
         out.metrics.update(more)
         return out
-    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=spec.validate)
+    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=spec.validate,
+                        anchor=anchor)
 
 
 def loss_of(cfg: TrainConfig, validate: bool | None = None):
@@ -140,7 +143,7 @@ def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tenso
 
 
 def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
-                 validate: bool | None = None) -> PolicyLossOutput:
+                 validate: bool | None = None, anchor=None) -> PolicyLossOutput:
     """The loss of :func:`trainer_forward`'s output ``x``.
 
     ``loss_from=logits``: ``cfg.loss(x, rollout, A)``. ``loss_from=hidden``:
@@ -153,8 +156,8 @@ def forward_loss(model, x: torch.Tensor, batch: RolloutBatch, advantages: torch.
     spec = loss_of(cfg, validate)
     if cfg.loss_from == "hidden":
         r = batch.rollout if batch.rollout.logits is None else batch.rollout.replace(logits=None)
-        return spec(Hidden(x, lm_head_weight(model)), r, advantages)
-    return spec(x, batch.rollout, advantages)
+        return spec(Hidden(x, lm_head_weight(model)), r, advantages, anchor=anchor)
+    return spec(x, batch.rollout, advantages, anchor=anchor)
 
 
 def lm_head_weight(model) -> torch.Tensor:
@@ -174,14 +177,14 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-                cfg: TrainConfig, *, validate: bool | None = None) -> tuple[PolicyLossOutput, torch.Tensor]:
+                cfg: TrainConfig, *, validate: bool | None = None, anchor=None) -> tuple[PolicyLossOutput, torch.Tensor]:
     """One optimizer step on ``batch``: :func:`compute_loss` -> backward -> clip -> step.
 
     Gradients are clipped to ``cfg.grad_clip`` (global norm; ``<= 0``: no clipping, the
     norm is still measured). Returns the loss output (at the weights before the step)
     and the pre-clip gradient norm, a detached 0-dim tensor (no host sync).
     """
-    out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer)
+    out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer, anchor=anchor)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]  # the trained ones (frozen: no grad)
