@@ -41,6 +41,7 @@ from fractions import Fraction
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
+from ..._validate import SpecError
 from ...loss import Aggregation, aggregate
 from ...ops import Hidden
 from ...rollout import Rollout
@@ -261,11 +262,11 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                 return loss_fn(Hidden(h, weight.to(h.dtype)), rollout, adv, aggregation=agg)
 
             with self.accelerator.autocast():
-                res = model(**self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)
+                res = self._nonfinite_named(model, **self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)
             aux_loss = None  # refused at init (hidden.check_head)
         else:
             logits, aux_loss = self._completion_logits(model, inputs)
-            res = loss_fn(logits, rollout, adv, aggregation=agg)
+            res = self._nonfinite_named(loss_fn, logits, rollout, adv, aggregation=agg)
         self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
         loss = res.loss / divisor
         if self.beta != 0.0:
@@ -275,7 +276,34 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                 self.current_gradient_accumulation_steps if mode == "train" else 1.0)
             aux = self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item()
             self._metrics[mode]["aux_loss"].append(aux)
+        self._check_finite(loss)
         return loss
+
+    def _step_advice(self) -> tuple[str, str]:
+        """The step being computed (1-based, as the logs count optimizer steps) and what to change."""
+        return f"step {self.state.global_step + 1}", f"lower learning_rate (now {self.args.learning_rate:g})"
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Stop at the first non-finite loss, naming the step: the host trainer's NaN filtering
+        is not relied on (transformers logs a NaN loss as 0 and steps on; the next step fails
+        far from the cause). One host sync per micro-batch, as the metrics' own."""
+        if bool(torch.isfinite(loss.detach()).all()):
+            return
+        step, tip = self._step_advice()
+        raise FloatingPointError(f"{step}: the pdmask loss is {float(loss.detach()):g} (non-finite): the weights went "
+                                 f"non-finite at an earlier update, or the loss overflowed: {tip}")
+
+    def _nonfinite_named(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, a refusal of non-finite logits (the loss's input check, after
+        weights went non-finite) re-raised naming the step and what to change."""
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as e:
+            if e.field not in ("logits", "hidden", "lm_head_weight"):
+                raise
+            step, tip = self._step_advice()
+            raise FloatingPointError(f"{step}: the model's {e.field} is non-finite ({e.problem}): the weights went "
+                                     f"non-finite at an earlier update: {tip}") from None
 
     def _kl_term(self, mode: str, logp: torch.Tensor, inputs, mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
         """TRL's KL penalty to the reference model, as TRL 1.16 adds it (``_compute_loss``)::
