@@ -5,6 +5,7 @@ run as before the anchor existed (its records carry the new metrics, its numbers
 
 import json
 
+import pytest
 import yaml
 
 from pdmask.train.logging import read_jsonl
@@ -30,8 +31,15 @@ def test_anchor_old_writes_where_the_region_binds(tmp_path, cache_dir, smoke_con
         # mini-batch 1 is updated from pi_old itself: no token out of its region before any update
         assert r["mb1_out_of_region_frac"] == 0.0 and r["out_before_update_frac"] == 0.0
         assert r["mb1_divergence_q90"] < 1e-5 < r["mb2_divergence_q90"]
+        # the engine mismatch is D(mu, pi_old), not the anchored statistics' D(pi_old, pi) = 0
+        assert r["mismatch_topk_kl"] > 0 and r["mismatch_abs_log_ratio"] > 0
     cfg = yaml.safe_load((tmp_path / "smoke" / "config.yaml").read_text())
     assert cfg["loss"]["anchor"] == "old"
+    # step 1 starts from the same weights and the same rollout under either anchor: the same mismatch
+    (tmp_path / "mu").mkdir()
+    ref = _run(run_cli, smoke_config, cache_dir, tmp_path / "mu", "delta_low=1e-4", "delta_high=1e-4")
+    for k in ("mismatch_topk_kl", "mismatch_abs_log_ratio"):
+        assert recs[1][k] == pytest.approx(ref[1][k], rel=1e-4), k
     answers = [json.loads(ln) for ln in (tmp_path / "smoke" / "eval_answers.jsonl").read_text().splitlines()]
     assert [a["step"] for a in answers] == [0, 1, 2] and all(len(a["answers"]) == 3 for a in answers)
 

@@ -49,6 +49,7 @@ class StepAnchor:
     distance: torch.Tensor
     valid: torch.Tensor
     mu_out_frac: torch.Tensor
+    vocab_size: int
 
     def rows(self, idx: list[int], sub: RolloutBatch) -> Anchor:
         """The :class:`pdmask.Anchor` of a mini-batch (rows ``idx``, its trimmed response width)."""
@@ -83,7 +84,23 @@ def old_anchor(model, batch: RolloutBatch, advantages: torch.Tensor, perm: list[
     dist = anchor_distance(cfg.loss.mask_mode.divergence, anchored, r.replace(logits=None), valid, V)
     th = cfg.loss.thresholds
     out = beyond_delta(dist, advantages.double()[:, None].expand_as(dist), th.delta_low, th.delta_high) & valid
-    return StepAnchor(lp, tk, dist, valid, out.sum() / valid.sum().clamp(min=1))
+    return StepAnchor(lp, tk, dist, valid, out.sum() / valid.sum().clamp(min=1), V)
+
+
+def anchor_mismatch(anchor: Anchor, rollout, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The engine-vs-trainer mismatch of the step's first mini-batch with ``anchor: old``, the
+    same numbers the rollout anchor reads off its first mini-batch's statistics (there pi =
+    pi_old): ``mismatch_topk_kl`` the mean top-K KL(mu || pi_old), ``mismatch_abs_log_ratio`` the
+    mean ``|log pi_old_k - log mu_k|`` (the anchored statistics measure pi against pi_old, 0 here)."""
+    valid = rollout.response_mask.bool()
+    anchored = anchor.rollout_for(rollout.replace(logits=None))
+    den = valid.sum().clamp(min=1)
+    lr = (anchored.sampled_logprob.double() - rollout.sampled_logprob.double()).abs()
+    out = {"mismatch_abs_log_ratio": torch.where(valid, lr, 0.0).sum() / den}
+    if rollout.topk_ids is not None:
+        kl = anchor_distance("topk_kl", anchored, rollout.replace(logits=None), valid, vocab_size)
+        out["mismatch_topk_kl"] = kl.sum() / den
+    return {k: v.float() for k, v in out.items()}
 
 
 def _quantiles(d: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:

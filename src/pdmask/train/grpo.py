@@ -55,7 +55,7 @@ from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
-from .anchoring import BindingLog, old_anchor, region_warning
+from .anchoring import BindingLog, anchor_mismatch, old_anchor, region_warning
 from .update import make_optimizer, select, update_step
 
 __all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
@@ -234,7 +234,8 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                     watched.append(watch(out.loss, gn, trained_parameters(opt)))
                     binds.update(j, out, sub, adv[idx], cfg, anchor, first=first is None)
                     if first is None:  # before any update of this step: pure engine-vs-trainer mismatch
-                        first = _mismatch(out.stats, sub.response_mask)
+                        first = _mismatch(out.stats, sub.response_mask) if anchor is None else \
+                            anchor_mismatch(anchor.rows(idx, sub), sub.rollout, anchor.vocab_size)
             t2 = time.time()
             # --- log: one host sync for the step's metrics, then timings and (every eval_every) eval
             rec = step_metrics(ro, grad_norms, {**first, **binds.metrics()}, loss_metrics)
