@@ -293,12 +293,33 @@ def masked_policy_loss(
     return out.loss, metrics
 
 
+def check_finite_loss(name: str, call: int, loss: torch.Tensor, config, **inputs: torch.Tensor) -> None:
+    """Stop at the first non-finite loss with one line naming the loss, its call and the
+    inputs that hold the non-finite values: verl's own guard (``optimizer_step`` skips an
+    update whose gradient norm is not finite and prints a warning) is not relied on, since a
+    run that goes on after it trains on nothing. verl passes a policy loss no step number,
+    so the line counts this loss's calls in this process (one per micro-batch). One host sync
+    per call. Naive equivalent: ``assert torch.isfinite(loss)``."""
+    if bool(torch.isfinite(loss.detach()).all()):
+        return
+    valid = inputs["response_mask"].bool()
+    bad = [f"{k} ({int((~torch.isfinite(t.detach()) & valid).sum())} tokens)" for k, t in inputs.items()
+           if k != "response_mask" and bool((~torch.isfinite(t.detach()) & valid).any())]
+    lr = getattr(getattr(config, "optim", None), "lr", None)
+    raise FloatingPointError(
+        f"{name}: the loss is {float(loss.detach()):g} (non-finite) on its call {call} in this worker "
+        f"(a micro-batch; verl passes a policy loss no step number); non-finite inputs: {', '.join(bad) or 'none'}: "
+        "the weights went non-finite at an earlier update (log_prob) or the batch holds NaN; lower "
+        f"actor_rollout_ref.actor.optim.lr{f' (now {lr:g})' if isinstance(lr, (int, float)) else ''}")
+
+
 def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
     """A verl ``PolicyLossFn`` for one pdmask mode (signature as verl calls it)."""
     get_mode(mode_name)
     check_choice("mode", mode_name, BINARY_MODES + TOPK_MODES)  # the modes verl can feed
     topk = mode_name in TOPK_MODES
     specs: dict = {}  # the PolicyLoss of each actor config, built once
+    calls = [0]  # this loss's calls in this process: verl passes a policy loss no step number
 
     def policy_loss(
         old_log_prob: torch.Tensor,
@@ -325,9 +346,14 @@ def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
         if rollout_is_weights is not None and tuple(rollout_is_weights.shape) != tuple(log_prob.shape):
             raise ValueError(f"rollout_is_weights: expected shape {tuple(log_prob.shape)}, got "
                              f"{tuple(rollout_is_weights.shape)}")
-        return masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
-                                  loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy,
-                                  replace_weight=topk, spec=_spec_once(specs, mode_name, estimator, config))
+        calls[0] += 1
+        loss, metrics = masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
+                                           loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy,
+                                           replace_weight=topk, spec=_spec_once(specs, mode_name, estimator, config))
+        check_finite_loss(loss_name(mode_name, estimator), calls[0], loss, config,
+                          log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
+                          response_mask=response_mask)
+        return loss, metrics
 
     policy_loss.__name__ = policy_loss.__qualname__ = loss_name(mode_name, estimator)
     policy_loss.__doc__ = f"pdmask mode {mode_name!r} (estimator {estimator!r}) as a verl policy loss."
