@@ -2,16 +2,21 @@
 
 The oracles below restate the peers' per-token losses in our own words (we do not install them):
 
-- **UniRL DRPO** (Tencent-Hunyuan/UniRL, ``unirl/algorithms/drpo.py``, ``_drpo_loss``; the same
-  body in ``unirl/algorithms/ar_drpo.py``, ``_ar_drpo_loss``): the log-ratio ``new_logp - old_logp``
-  is clamped to [-20, 20] and exponentiated to ``r`` (differentiable through ``new_logp``); ``mu``
-  is ``exp(old_logp)``, detached; the token's loss is ``-A r + |A| w_pen (r - 1)^2 / (2 eps)`` with
-  ``w_pen = mu`` (``penalty_mu_weighted=True``, DRPO) or 1 (``False``: "plain SPO"). Its default
-  ``drpo_epsilon`` is 12.5 ("paper section 4").
-- **SPO's authors** (MyRepositories-hub/Simple-Policy-Optimization, ``mujoco/trainer.py``,
-  ``Trainer.compute_policy_loss`` with ``algo == 'spo'``): ``-(A r - |A| (r - 1)^2 / (2 eps))``
-  with ``r = exp(new_logp - old_logp)`` *not* clamped; default ``epsilon`` 0.2
-  (``mujoco/main.py``).
+- **UniRL DRPO** (Tencent-Hunyuan/UniRL at 17863c4, ``unirl/algorithms/drpo.py``, ``_drpo_loss``;
+  the file once named ``ar_drpo.py``, whose ``_ar_drpo_loss`` it replaced): the log-ratio
+  ``new_logp - old_logp`` is clamped to [-20, 20] (``drpo.py:115``) and exponentiated to ``r``
+  (differentiable through ``new_logp``); ``mu`` is ``exp(old_logp)``, detached; the token's loss is
+  ``-A r + |A| w_pen (r - 1)^2 / (2 eps)`` with ``w_pen = mu`` (``penalty_mu_weighted=True``, DRPO)
+  or 1 (``False``: "plain SPO"). Its default ``drpo_epsilon`` is 12.5 ("paper section 4"). Its
+  ``seq-mean-token-sum-norm`` (``DRPO.compute_loss_and_backward``, ``drpo.py:265-267``) splits the
+  masked token losses by ``segment.lengths``, sums each sequence and takes the mean over *every*
+  sequence, one without a loss token included, divided by ``horizon``.
+- **SPO's authors** (MyRepositories-hub/Simple-Policy-Optimization at 48c13fd, ``mujoco/trainer.py``,
+  ``Trainer.compute_policy_loss`` with ``algo == 'spo'``, lines 105-109):
+  ``-(A r - |A| (r - 1)^2 / (2 eps))`` with ``r = exp(new_logp - old_logp)`` *not* clamped
+  (``trainer.py:33-34``); default ``epsilon`` 0.2 (``mujoco/main.py``).
+- **verl 0.9.1's** ``agg_loss`` (``verl/trainer/ppo/core_algos.py:1181-1193``): the seq-mean modes
+  average over the sequences with at least one loss token (``seq_mask``, line 1183).
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ def spo_authors_loss(new_logp, old_logp, adv, eps):
     """SPO's ``compute_policy_loss`` (module docstring), per token (no mean, no clamp)."""
     r = torch.exp(new_logp - old_logp)
     return -(adv * r - adv.abs() * (r - 1.0) ** 2 / (2.0 * eps))
+
+
+def unirl_seq_mean_token_sum_norm(per_token, lengths, horizon):
+    """UniRL's ``seq-mean-token-sum-norm`` (module docstring) on packed token losses (already
+    multiplied by the loss mask): the mean over every sequence of its sum, / horizon."""
+    parts = torch.split(per_token, lengths)
+    return torch.stack([p.sum() for p in parts]).mean() / float(horizon)
+
+
+def verl_seq_mean_token_sum_norm(loss_mat, loss_mask, horizon):
+    """verl 0.9.1's ``agg_loss`` in ``seq-mean-token-sum-norm`` (module docstring), local batch."""
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+    seq_mask = (torch.sum(loss_mask, dim=-1) > 0).to(loss_mat.dtype)
+    return (seq_losses * seq_mask).sum() / seq_mask.sum() / horizon
 
 
 # ------------------------------------------------------------------ batches
@@ -173,6 +192,64 @@ def test_spo_equals_unirl_plain_spo_everywhere_and_the_authors_inside_the_clamp(
     assert bool(beyond.any())
     torch.testing.assert_close(out.token_loss.detach()[inside], per_a[inside], rtol=1e-12, atol=1e-14)
     assert bool((out.token_loss.detach()[beyond] != per_a[beyond]).all())
+
+
+def test_spo_authors_gradient_grows_beyond_the_clamp_where_ours_is_zero():
+    """The SPO authors' ratio has no clamp (trainer.py:33-34): beyond |log r| = 20 their gradient
+    w.r.t. log pi_k, -A r + |A| (r - 1) r / eps, keeps growing (about 5.7e26 at log r = 30,
+    |A| = 1, eps = 0.2), where ours (and UniRL's) is 0: docs/core.md states it."""
+    eps = 0.2
+    old = torch.tensor([-31.0, -1.0, -1.0], dtype=F64)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=F64)
+    logp = torch.tensor([-1.0, -0.8, -1.5], dtype=F64).requires_grad_(True)  # log r = 30, 0.2, -0.5
+    per, _ = token_loss(logp, (logp - old).detach(), adv, torch.ones(3, dtype=torch.bool), surrogate="spo",
+                        delta_low=eps, delta_high=eps)
+    (ours,) = torch.autograd.grad(per.sum(), logp)
+    (theirs,) = torch.autograd.grad(spo_authors_loss(logp, old, adv, eps).sum(), logp)
+    (unirl,) = torch.autograd.grad(unirl_drpo_loss(logp, old, adv, eps, mu_weighted=False).sum(), logp)
+    r = math.exp(30.0)
+    assert float(ours[0]) == 0.0 and float(unirl[0]) == 0.0
+    assert float(theirs[0]) == pytest.approx(-r + (r - 1) * r / eps, rel=1e-12) and float(theirs[0]) > 1e26
+    torch.testing.assert_close(ours[1:], theirs[1:], rtol=1e-12, atol=1e-14)  # inside the clamp: the same
+
+
+def test_unirl_seq_mean_token_sum_norm_counts_an_empty_sequence_verl_and_pdmask_do_not():
+    """One sequence without a loss token among five: UniRL averages over five, verl 0.9.1 and
+    pdmask over four, so theirs is 5/4 of UniRL's (docs/core.md, Aggregation)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, horizon = 5, 6, 8.0
+    loss_mat = torch.randn(B, T, generator=g, dtype=F64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3] = False  # the empty sequence: every token masked (a truncated or filtered response)
+    ours = pdmask.aggregate(loss_mat, mask, pdmask.Aggregation("seq-mean-token-sum-norm", loss_scale_factor=horizon))
+    verl = verl_seq_mean_token_sum_norm(loss_mat, mask.to(F64), horizon)
+    unirl = unirl_seq_mean_token_sum_norm((loss_mat * mask).reshape(-1), [T] * B, horizon)
+    torch.testing.assert_close(ours, verl, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ours, unirl * 5 / 4, rtol=1e-12, atol=1e-14)
+    assert abs(float(ours - unirl)) > 1e-3
+    # without the empty sequence the three agree
+    full = torch.ones(B, T, dtype=torch.bool)
+    torch.testing.assert_close(
+        pdmask.aggregate(loss_mat, full, pdmask.Aggregation("seq-mean-token-sum-norm", loss_scale_factor=horizon)),
+        unirl_seq_mean_token_sum_norm(loss_mat.reshape(-1), [T] * B, horizon), rtol=1e-12, atol=1e-14)
+
+
+def test_the_peer_differences_are_stated_where_equality_is_claimed():
+    """docs/core.md and docs/verl.md state the differences the two tests above assert, and name
+    UniRL's function by its name (``_drpo_loss``; ``spo_adaptive_eps`` is the verl loss of the
+    version UniRL's DRPO recipe used)."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    core = " ".join((docs / "core.md").read_text().split())
+    verl = " ".join((docs / "verl.md").read_text().split())
+    assert "The SPO authors' own code (`mujoco/trainer.py`, `compute_policy_loss`) clamps nothing" in core
+    assert "it averages over *every* sequence of the batch" in core and "×1.25 with one empty sequence" in core
+    row = next(ln for ln in (docs / "verl.md").read_text().splitlines() if ln.startswith("| `pdmask_drpo` |"))
+    assert "UniRL's `_drpo_loss`, `unirl/algorithms/drpo.py`" in row and "UniRL's `spo_adaptive_eps`" not in row
+    assert "`drpo.py`" in core or "`unirl/algorithms/drpo.py`" in core
+    assert "clamp their log ratio to ±20" in verl
 
 
 def test_spo_gradient_weight_and_region():
