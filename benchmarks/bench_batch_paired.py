@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pdmask.lab.significance import format_interval, format_p, mcnemar_exact, min_sign_flip_p, pooled_ratio
 from pdmask.train.logging import read_jsonl
+from pdmask.train.portable import portable_path
 from pdmask.lab.report import find_runs
 from pdmask.lab.seed_summary import seed_summary
 
@@ -99,7 +100,7 @@ def paired(run_dir: Path, mode: str, references: list[str], drop: float) -> dict
         runs.append(r)
     step0 = {r.name: step0_accuracy(r) for r in runs}
     mism = {r.name: mismatch_mean(r) for r in runs}
-    out = {"run_dir": str(run_dir), "mode": mode, "references": references, "collapse_drop": drop,
+    out = {"run_dir": portable_path(run_dir), "mode": mode, "references": references, "collapse_drop": drop,
            "notes": notes, "per_mode": {}, "vs": {}}
     for ref in references:
         s = seed_summary(runs, reference=ref, require_reference=True)

@@ -7,7 +7,6 @@ Parsing and dispatch only; the work is in :mod:`pdmask.train`. Config presets li
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -17,8 +16,11 @@ import typer
 from .engine.registry import MissingExtra
 
 def _command_line() -> str:
-    """This invocation as a shell line, for the pages that name the command that wrote them."""
-    return "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    """This invocation as a shell line, for the pages that name the command that wrote them
+    (absolute paths in it made portable: :func:`pdmask.train.portable.portable_command`)."""
+    from .train.portable import portable_command
+
+    return portable_command("pdmask", sys.argv[1:])
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -153,6 +155,10 @@ def compare(
     timing: bool = typer.Option(True, "--timing/--no-timing", help="interleaved loss-time ratio pdm/dppo at the end"),
     reference: str = typer.Option("dppo-topk-kl", "--reference",
                                   help="mode every other mode is compared with, seed by seed (one of --modes)"),
+    keep_checkpoints: Optional[int] = typer.Option(
+        None, "--keep-checkpoints", help="checkpoints each run keeps in OUT/<run>/checkpoints (default: the "
+                                         "config's keep_checkpoints, 2); 1: the last; 0: none once the run has "
+                                         "finished (it can then not be resumed, extended or audited)"),
 ):
     """Run several mask modes on identical data and seeds; write one report.
 
@@ -177,7 +183,7 @@ def compare(
         if jobs < 1:
             raise ValueError(f"jobs: must be >= 1, got {jobs}")
         run_compare(cfg, modes=mode_list, seeds=seeds, deltas=delta_list, out=out, jobs=jobs, resume=resume,
-                    timing=timing, reference=reference, console=_console())
+                    timing=timing, reference=reference, keep_checkpoints=keep_checkpoints, console=_console())
     except ValueError as e:
         _fail(e)
 
@@ -267,6 +273,10 @@ def ladder(
         None, "--report-dir", help="write the report into this folder instead of OUT, with the records it is "
                                    "built from (per run config.yaml, metrics.jsonl, summary.json; the ladder's "
                                    "log; no checkpoints), so that `--out DIR --report-only` rebuilds it from them"),
+    keep_checkpoints: Optional[int] = typer.Option(
+        None, "--keep-checkpoints", help="checkpoints each cell keeps in OUT/<rung>/<run>/checkpoints (default: "
+                                         "the config's keep_checkpoints, 2); 1: the last; 0: none once the cell "
+                                         "has finished (it can then not be extended or audited)"),
 ):
     """Run the mismatch ladder: every mode x seed on rungs of increasing engine mismatch.
 
@@ -293,6 +303,8 @@ def ladder(
             raise ValueError("report_dir: --plan writes nothing; drop --report-dir")
         if prefix_of and (plan or report_only):
             raise ValueError("prefix_of: --plan and --report-only run nothing; drop --prefix-of")
+        if keep_checkpoints is not None and (plan or report_only):
+            raise ValueError("keep_checkpoints: --plan and --report-only run nothing; drop --keep-checkpoints")
         if plan:
             cells = plan_cells(sp, Path(out or sp.out), rung_list)
             st = statuses(cells)
@@ -302,7 +314,8 @@ def ladder(
                           + f" of {len(cells)} cells")
             return
         if not report_only:
-            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, prefix_of=prefix_of, console=console)
+            run_ladder(sp, out=out, jobs=jobs, rungs=rung_list, prefix_of=prefix_of, keep_checkpoints=keep_checkpoints,
+                       console=console)
         src = Path(out or sp.out)
         dest = Path(report_dir) if report_dir else src
         if dest.resolve() != src.resolve():

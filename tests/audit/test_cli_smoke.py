@@ -47,6 +47,20 @@ def test_cli_smoke(tmp_path, check_environment):
     assert f"Environment: torch {doc['environment']['packages']['torch']}" in (out / "audit.md").read_text()
     assert sorted(p.name for p in (out / "seeds").glob("seed-*")) == ["seed-000000.safetensors",
                                                                       "seed-000001.safetensors"]
+    # the headline on stdout: the token counts, then the batch step's tests with their p
+    s = doc["summary"]["per_seed"]
+    lines = res.stdout.splitlines()
+    assert lines[0] == (f"2 seeds, {sum(x['n_response_tokens'] for x in s)} response tokens, "
+                        f"{sum(x['n_out_of_region'] for x in s)} out-of-region tokens, "
+                        f"{sum(x['n_disagreement']['pred-exact'] for x in s)} disagreement tokens (pred-exact vs ratio)")
+    assert lines[0] in (out / "audit.md").read_text()
+    assert lines[1].startswith("batch step, O (") and "McNemar p" in lines[1]
+    # no machine path in what it wrote (the out dir, the cache and the interpreter are absolute here)
+    for f in [*out.glob("*.json"), *out.glob("*.md"), *(out / "seeds").glob("*.json")]:
+        text = f.read_text()
+        assert str(tmp_path) not in text and sys.executable not in text, f
+    assert doc["settings"]["run"]["command"].startswith("pdmask audit --out audit --seeds 2")
+    assert doc["settings"]["run"]["checkpoint"].startswith("$PDMASK_CACHE/sft-")
 
     # resumable per seed, in 2 worker processes: a third seed is added, the first two are reused
     res = subprocess.run(args[:args.index("--seeds")] + ["--seeds", "3", "--jobs", "2"] + args[args.index("--seeds") + 2:],

@@ -62,7 +62,8 @@ def test_audit_on_my_model_with_my_prompts_and_reward(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((tmp_path / "out" / "audit.json").read_text())
     t = doc["settings"]["run"]["trainer_config"]
-    assert t["task"] == "jsonl" and t["model_path"] == str(model) and t["use_chat_template"]
+    assert t["task"] == "jsonl" and t["use_chat_template"]
+    assert t["model_path"] == "my-model" and t["train_file"] == "prompts.jsonl"  # relative to where it ran, not absolute
     seeds = doc["summary"]["per_seed"]
     assert len(seeds) == 2 and sum(s["n_active_tokens"] for s in seeds) > 0
     assert all(0.0 <= s["finished_frac"] <= 1.0 and 0.0 <= s["tail_beyond_topk"] <= 1.0 for s in seeds)

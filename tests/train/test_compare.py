@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from pdmask.lab.compare import plan_runs
 from pdmask.train.config import comparable, load_config
 from pdmask.train.logging import read_jsonl
@@ -50,3 +52,28 @@ def test_compare_smoke(tmp_path, cache_dir, smoke_config, cli, check_environment
     env = res["environment"]
     assert md.splitlines()[0].startswith(f"Environment: torch {env['packages']['torch']}, transformers ")
     assert f"CPU capability {env['cpu_capability']}, 1 torch thread(s) per run" in md
+    # no machine path in the compare's records (its out dir and the cache are absolute here)
+    for f in (out / "summary.json", out / "summary.md"):
+        assert str(tmp_path) not in f.read_text(), f
+    assert res["plots"][0].startswith("report/")
+
+
+@pytest.mark.slow
+def test_compare_jobs_2_progress_and_no_checkpoints(tmp_path, cache_dir, smoke_config, cli):
+    """``--jobs 2``: each run's start names its log, its end counts the finished runs (the live
+    display's events; its lines are tested in test_live.py); ``--keep-checkpoints 0`` leaves
+    no checkpoint once a run has finished, and a second call runs nothing that finished."""
+    run_cli, _ = cli
+    out = tmp_path / "cmp"
+    args = ["compare", "--config", smoke_config, "--modes", "dppo-topk-kl,pdm-topk-kl", "--seeds", "1", "--jobs", "2",
+            "--no-timing", "--keep-checkpoints", "0", "--out", "cmp", f"cache_dir={cache_dir}", "tensorboard=false"]
+    r = run_cli(args, cwd=tmp_path)
+    assert "its checkpoints in cmp/<run>/checkpoints/ (none once it has finished" in r.stdout
+    for run in ("dppo-topk-kl-s0", "pdm-topk-kl-s0"):
+        assert f"started {run} (log: cmp/{run}.log)" in r.stdout
+        assert (out / f"{run}.log").exists() and (out / run / "summary.json").exists()
+        assert (out / run / "checkpoints").is_dir() and not any((out / run / "checkpoints").iterdir())
+    assert "finished" in r.stdout and "(2 of 2 runs)" in r.stdout
+    again = run_cli(args, cwd=tmp_path)
+    assert "done dppo-topk-kl-s0 (its summary.json exists" in again.stdout and "started" not in again.stdout
+    assert json.loads((out / "summary.json").read_text())["runs"]

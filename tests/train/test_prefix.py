@@ -3,6 +3,7 @@ record, the N-step run of the same config (smoke preset, real runs), and a sourc
 cannot stand in is refused naming why."""
 
 import json
+import os
 import re
 
 import pytest
@@ -54,7 +55,8 @@ def test_the_prefix_of_a_longer_run_is_the_shorter_run(long_and_short, smoke_con
     s_ran = json.loads((short.run_dir / "summary.json").read_text())
     s_taken = json.loads((want.run_dir / "summary.json").read_text())
     assert {k: v for k, v in s_taken.items() if k not in _CLOCK} == {k: v for k, v in s_ran.items() if k not in _CLOCK}
-    assert s_taken[PREFIX_KEY] == {"run": str(long.run_dir), "steps": 4}
+    assert s_taken[PREFIX_KEY] == {"run": os.path.relpath(long.run_dir, want.run_dir), "steps": 4}  # no machine path
+    assert (want.run_dir / s_taken[PREFIX_KEY]["run"]).resolve() == long.run_dir.resolve()
     assert yaml.safe_load((want.run_dir / "config.yaml").read_text())["steps"] == 2
     # the long run really went further (the test could fail if it did not)
     assert read_jsonl(long.run_dir / "metrics.jsonl")[-1]["step"] == 4

@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
+from ..train.checkpoint import drop_checkpoints
 from ..train.config import TrainConfig, replace
 from ..train.environment import environment
 from ..train.grpo import rollout_seed, setup, step_prompts, train
+from ..train.portable import portable_path
 from ..train.update import compute_loss, select
 from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
 from ..train.rollout import decode_responses, group_advantages, rewards_for
@@ -71,27 +73,69 @@ def _yaml(d: dict) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
-def _run_subprocesses(cfgs: list[TrainConfig], jobs: int, resume: bool, out: Path, console) -> None:
+def _run_subprocesses(cfgs: list[TrainConfig], jobs: int, resume: bool, out: Path, console,
+                      drop: bool = False) -> None:
+    """Run ``cfgs`` as ``pdmask train`` subprocesses, ``jobs`` at a time, each writing its
+    console output to ``OUT/<run>.log``; one live display shows each running run's step,
+    last reward and ETA (:mod:`pdmask.lab.live`); ``drop``: each run's checkpoints are
+    deleted once it has finished."""
+    from .live import RunsProgress
+
     cdir = out / ".configs"
     cdir.mkdir(parents=True, exist_ok=True)
     pending = list(cfgs)
-    live: list[tuple[subprocess.Popen, TrainConfig]] = []
-    while pending or live:
-        while pending and len(live) < jobs:
-            c = replace(pending.pop(0), progress=False)
-            p = cdir / f"{c.run_name}.yaml"
-            p.write_text(_yaml(c.to_dict()))
-            cmd = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(p)] + (["--resume"] if resume else [])
-            log = open(out / f"{c.run_name}.log", "w")
-            live.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), c))
-            console.print(f"started {c.run_name}")
-        time.sleep(0.5)
-        for pr, c in list(live):
-            if pr.poll() is not None:
-                live.remove((pr, c))
-                if pr.returncode != 0:
-                    raise RuntimeError(f"run {c.run_name} failed (exit {pr.returncode}); see {out / (c.run_name + '.log')}")
-                console.print(f"finished {c.run_name}")
+    live: list[tuple[subprocess.Popen, TrainConfig, object]] = []
+    with RunsProgress(console, len(cfgs)) as prog:
+        try:
+            while pending or live:
+                while pending and len(live) < jobs:
+                    c = replace(pending.pop(0), progress=False)
+                    p = cdir / f"{c.run_name}.yaml"
+                    p.write_text(_yaml(c.to_dict()))
+                    cmd = [sys.executable, "-m", "pdmask.cli", "train", "--config", str(p)] + (["--resume"] if resume else [])
+                    log = open(out / f"{c.run_name}.log", "w")
+                    live.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), c, log))
+                    prog.started(c.run_name, c.run_dir, c.steps, out / f"{c.run_name}.log")
+                time.sleep(0.5)
+                prog.refresh()
+                for item in list(live):
+                    pr, c, log = item
+                    if pr.poll() is None:
+                        continue
+                    live.remove(item)
+                    log.close()
+                    if pr.returncode != 0:
+                        raise RuntimeError(f"run {c.run_name} failed (exit {pr.returncode}); see {out / (c.run_name + '.log')}")
+                    if drop:
+                        drop_checkpoints(c.run_dir)
+                    prog.finished(c.run_name)
+        finally:
+            for pr, *_ in live:  # an error: stop the other runs (--resume continues them)
+                pr.kill()
+                pr.wait()
+
+
+def _finished(c: TrainConfig, console) -> bool:
+    if (c.run_dir / "summary.json").exists():
+        console.print(f"done {c.run_name} (its summary.json exists; delete {c.run_dir} to run it again)",
+                      markup=False, soft_wrap=True)
+        return True
+    return False
+
+
+def _checkpoint_policy(cfgs: list[TrainConfig], keep: int | None, out: Path, console) -> tuple[list[TrainConfig], bool]:
+    """The runs' configs with ``keep_checkpoints`` applied, and whether each run's checkpoints
+    are dropped once it has finished (``keep == 0``); says where each run's files go."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise ValueError(f"keep_checkpoints: must be an int >= 0 (0: none once a run has finished), got {keep!r}")
+    if keep is not None:
+        cfgs = [replace(c, keep_checkpoints=max(keep, 1)) for c in cfgs]
+    n = cfgs[0].keep_checkpoints if cfgs else 0
+    what = "none once it has finished" if keep == 0 else "the last" if n == 1 else f"the last {n}"
+    console.print(f"{len(cfgs)} runs; each run's records in {out}/<run>/, its checkpoints in {out}/<run>/checkpoints/ "
+                  f"({what}; --keep-checkpoints N), its console log in {out}/<run>.log with --jobs > 1",
+                  markup=False, soft_wrap=True)
+    return cfgs, keep == 0
 
 
 def loss_time_ratio(cfg: TrainConfig, mode_a: str, mode_b: str, *, reps: int = 15) -> dict:
@@ -137,11 +181,14 @@ def _sync(device: str) -> None:
 
 def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: list[float] | None = None,
                 out: str | Path | None = None, jobs: int = 1, resume: bool = False, timing: bool = True,
-                reference: str = DEFAULT_REFERENCE, console=None) -> dict:
+                reference: str = DEFAULT_REFERENCE, keep_checkpoints: int | None = None, console=None) -> dict:
     """Run every (delta, mode, seed), then write ``summary.json`` / ``summary.md`` and plots.
 
     ``reference``: the mode every other mode is compared with, seed by seed (must be one
-    of ``modes``; checked before anything runs)."""
+    of ``modes``; checked before anything runs). ``keep_checkpoints``: the checkpoints each
+    run keeps (None: the config's ``keep_checkpoints``, 2 by default; 1: the last; 0: none
+    once the run has finished, so it can no longer be resumed, extended or audited). A run
+    that has finished (its ``summary.json`` exists) is not run again."""
     from rich.console import Console
 
     if reference not in modes:
@@ -153,6 +200,7 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     t0 = time.time()
     load0 = os.getloadavg()
     cfgs = plan_runs(cfg, modes, seeds, deltas, str(out))
+    cfgs, drop = _checkpoint_policy(cfgs, keep_checkpoints, out, console)
     sft_t = time.time()
     base = ensure_sft_checkpoint(cfg, console=console)  # once, before any run (runs then hit the cache)
     sft_s = time.time() - sft_t
@@ -163,11 +211,13 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
         paired = {m for pair in PAIRS for m in pair}
         cfgs = sorted(cfgs, key=lambda c: (c.loss.mode not in paired, c.loss_fields["thresholds"]["delta_high"] or 0.0,
                                            c.seed))
-        _run_subprocesses(cfgs, jobs, resume, out, console)
+        _run_subprocesses([c for c in cfgs if not _finished(c, console)], jobs, resume, out, console, drop)
     else:
         for c in cfgs:
-            if resume or not (c.run_dir / "summary.json").exists():
+            if not _finished(c, console):
                 train(c, resume=resume, console=console)
+                if drop:
+                    drop_checkpoints(c.run_dir)
     runs_s = time.time() - t0 - sft_s
     summaries = load_summaries(find_runs([out]))
     res: dict = {"runs": summaries, "sft": sft_info(base), "sft_wall_s_this_call": sft_s, "rl_wall_s": runs_s,
@@ -195,7 +245,7 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     runs = find_runs([out])
     res["across_seeds"] = seed_summary(runs, reference=reference, require_reference=True)
     pngs = plot_runs(runs, out / "report")
-    res["plots"] = [str(p) for p in pngs]
+    res["plots"] = [portable_path(p, base=out) for p in pngs]  # relative to the compare directory
     (out / "summary.json").unlink(missing_ok=True)  # this call's results replace an earlier summary
     write_summary(out, res)
     console.print(summary_table(summaries, title=f"pdmask compare ({out})"))

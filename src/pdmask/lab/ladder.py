@@ -337,10 +337,16 @@ def _die_with_parent():  # Linux: a killed ladder takes its training subprocesse
         pass
 
 
-def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> None:
+def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console, drop: bool = False) -> None:
     """Run cells (``(cell, "todo" | "partial")``): in this process when ``jobs == 1``,
-    else as ``pdmask train`` subprocesses, ``jobs`` at a time."""
+    else as ``pdmask train`` subprocesses, ``jobs`` at a time, each logging to
+    ``OUT/<rung>/<run>.log``, with one live display of each running cell's step, last reward
+    and ETA (:mod:`pdmask.lab.live`). ``drop``: a cell's checkpoints are deleted once it has
+    finished."""
     import yaml
+
+    from ..train.checkpoint import drop_checkpoints
+    from .live import RunsProgress
 
     if jobs == 1:
         from ..train.grpo import train
@@ -349,12 +355,15 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
             t = time.time()
             console.print(f"{'resuming' if st == 'partial' else 'starting'} {c.key}")
             train(c.cfg, resume=st == "partial", console=console)
+            if drop:
+                drop_checkpoints(c.cfg.run_dir)
             _log_event(out, event="cell", cell=c.key, how="resume" if st == "partial" else "fresh",
                        wall_s=time.time() - t)
         return
     cdir = out / ".configs"
     pending = list(todo)
     live: list[tuple[subprocess.Popen, Cell, str, float, object]] = []
+    prog = RunsProgress(console, len(todo)).__enter__()
     try:
         while pending or live:
             while pending and len(live) < jobs:
@@ -368,8 +377,10 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
                 log = open(out / c.rung.name / f"{c.cfg.run_name}.log", "a")
                 pr = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
                 live.append((pr, c, st, time.time(), log))
-                console.print(f"{'resuming' if st == 'partial' else 'starting'} {c.key}")
+                prog.started(c.key, c.cfg.run_dir, c.cfg.steps, out / c.rung.name / f"{c.cfg.run_name}.log",
+                             how="resuming" if st == "partial" else "starting")
             time.sleep(0.5)
+            prog.refresh()
             for item in list(live):
                 pr, c, st, t, log = item
                 if pr.poll() is None:
@@ -378,10 +389,13 @@ def _run_cells(todo: list[tuple[Cell, str]], jobs: int, out: Path, console) -> N
                 log.close()
                 if pr.returncode != 0:
                     raise CellFailed(c.key, pr.returncode, out / c.rung.name / f"{c.cfg.run_name}.log")
+                if drop:
+                    drop_checkpoints(c.cfg.run_dir)
                 _log_event(out, event="cell", cell=c.key, how="resume" if st == "partial" else "fresh",
                            wall_s=time.time() - t)
-                console.print(f"finished {c.key}")
+                prog.finished(c.key)
     finally:
+        prog.__exit__(None, None, None)
         for pr, *_ in live:  # an error elsewhere: stop the others (they resume next time)
             pr.kill()
             pr.wait()
@@ -392,6 +406,7 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
     run of the same config becomes that run's first ``steps`` steps
     (:mod:`pdmask.lab.prefix`); a source cell that cannot stand in is named with its
     reason and the cell runs. Returns how many cells were taken."""
+    from ..train.portable import relative_to
     from .prefix import PrefixRefused, take_prefix
 
     n = 0
@@ -404,7 +419,7 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
         except PrefixRefused as e:
             console.print(f"not taking {c.key}: {e}", markup=False, soft_wrap=True)  # one line, as said
             continue
-        _log_event(out, event="prefix", cell=c.key, source=str(src), source_steps=got["source_steps"],
+        _log_event(out, event="prefix", cell=c.key, source=relative_to(src, out), source_steps=got["source_steps"],
                    source_wall_s=got["source_wall_s"])
         n += 1
         console.print(f"took {c.key}: the first {c.cfg.steps} of the {got['source_steps']} steps of {src}",
@@ -413,8 +428,12 @@ def take_prefixes(cells: list[Cell], st: dict[str, str], prefix_of: Path, out: P
 
 
 def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1, rungs: list[str] | None = None,
-               prefix_of: str | Path | None = None, console=None) -> dict:
+               prefix_of: str | Path | None = None, keep_checkpoints: int | None = None, console=None) -> dict:
     """Run every unfinished cell (of ``rungs``, default all).
+
+    ``keep_checkpoints``: the checkpoints each cell keeps (None: the config's, 2 by default;
+    1: the last; 0: none once the cell has finished; a results-neutral key, so finished
+    cells stay done).
 
     ``prefix_of``: another ladder's output directory whose finished longer runs stand in
     for this ladder's cells not started yet (:func:`take_prefixes`), before anything runs.
@@ -429,10 +448,17 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
     console = console or Console()
     if jobs < 1:
         raise ValueError(f"jobs: must be >= 1, got {jobs}")
+    if keep_checkpoints is not None and (isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int)
+                                         or keep_checkpoints < 0):
+        raise ValueError(f"keep_checkpoints: must be an int >= 0 (0: none once a cell has finished), "
+                         f"got {keep_checkpoints!r}")
     out = Path(out or spec.out)
     lock = _Lock(out)
     try:
         cells = plan_cells(spec, out, rungs)
+        if keep_checkpoints is not None:
+            cells = [Cell(c.rung, c.mode, c.seed, replace(c.cfg, keep_checkpoints=max(keep_checkpoints, 1)))
+                     for c in cells]
         st = statuses(cells)
         if prefix_of is not None:
             if not Path(prefix_of).is_dir():
@@ -445,6 +471,11 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
         counts = {k: sum(v == k for v in st_run.values()) for k in ("done", "partial", "todo")}
         console.print(f"ladder {spec.name}: {len(cells)} cells in {len({c.rung.name for c in cells})} rungs: "
                       f"{counts['done']} done, {counts['partial']} to resume, {counts['todo']} to start ({out})")
+        keep = cells[0].cfg.keep_checkpoints if cells else 0
+        what = "none once it has finished" if keep_checkpoints == 0 else "the last" if keep == 1 else f"the last {keep}"
+        console.print(f"each cell's records in {out}/<rung>/<run>/, its checkpoints in {out}/<rung>/<run>/checkpoints/ "
+                      f"({what}; --keep-checkpoints N), its console log in {out}/<rung>/<run>.log with --jobs > 1",
+                      markup=False, soft_wrap=True)
         executed = {"fresh": 0, "resume": 0}
         if todo:
             t0 = time.time()
@@ -455,7 +486,7 @@ def run_ladder(spec: LadderSpec, *, out: str | Path | None = None, jobs: int = 1
                 if sft_key(c.cfg) not in seen:
                     seen.add(sft_key(c.cfg))
                     ensure_sft_checkpoint(c.cfg, console=console)
-            _run_cells(todo, jobs, out, console)
+            _run_cells(todo, jobs, out, console, drop=keep_checkpoints == 0)
             executed = {"fresh": sum(s == "todo" for _, s in todo), "resume": sum(s == "partial" for _, s in todo)}
             _log_event(out, event="end", wall_s=time.time() - t0, executed=executed)
         return {"executed": executed, "prefix": taken, "status": st}

@@ -38,6 +38,7 @@ from .significance import DEFAULT_N_BOOT
 from ..train.environment import environment, environments_line, one_line, runs_environments
 from .ladder import LADDER_LOG
 from ..train.logging import read_jsonl
+from ..train.portable import portable_path
 from .seed_summary import DETECTABLE_DEFINITION, DETECTABLE_HEADER, detectable_cell, json_safe
 from .seed_summary import mean_present as _mean
 
@@ -239,7 +240,7 @@ def build_report(spec, out: str | Path, *, console=None, plot: bool = True, comm
         mine = {c.cfg.run_dir for c in planned.get(rung.name, [])}
         extra = sum(r not in mine for r in runs)  # finished runs of seeds/modes beyond the plan
         entry = {"name": rung.name, "label": rung.label, "family": rung.family, "set": rung.set,
-                 "config": str(rung.config), "cells_planned": len(mine) + extra, "cells_extra": extra,
+                 "config": portable_path(rung.config), "cells_planned": len(mine) + extra, "cells_extra": extra,
                  "cells_done": len(runs), "modes": [], "mismatch": None, "tail_mass_mean": None,
                  "sft_accuracy": None, "across_seeds": None}
         rungs.append(entry)

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from ..train.config import TrainConfig, config_diff, stored_config
+from ..train.portable import relative_to
 
 #: the key of a prefix cell's summary.json naming its source run
 PREFIX_KEY = "prefix_of"
@@ -124,7 +125,7 @@ def take_prefix(src: str | Path, cfg: TrainConfig) -> dict:
     keep = read_jsonl(dst / "metrics.jsonl")
     summary = summarize(keep, cfg, {"eval_greedy_accuracy": src_summary.get("sft_eval_accuracy")})
     summary["environment"] = src_summary.get("environment")  # the machine that ran these steps
-    summary[PREFIX_KEY] = {"run": str(src), "steps": stored["steps"]}
+    summary[PREFIX_KEY] = {"run": relative_to(src, dst), "steps": stored["steps"]}  # from this run's directory
     for name, text in (("config.yaml", _yaml(cfg.to_dict())), ("summary.json", json.dumps(summary, indent=2))):
         with writing(dst / name):
             (dst / name).write_text(text)

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..train.portable import portable_path
+
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 
 
@@ -91,7 +93,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
             "wall_s": round(time.time() - t1, 1)}
     from ..train.environment import environment
 
-    out.update({"environment": environment(threads=cfg.threads), "model": str(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.loss.sampling.temperature,
+    out.update({"environment": environment(threads=cfg.threads), "model": portable_path(S.base_path), "task": cfg.task, "reward": cfg.reward, "temperature": cfg.loss.sampling.temperature,
                 "top_k": cfg.top_k, "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
                 "max_new_tokens": cfg.max_new_tokens, "threads": cfg.threads, "wall_s": round(time.time() - t0, 1)})
     return out

@@ -65,6 +65,19 @@ def is_run_dir(path: str | Path) -> bool:
     return (p / "config.yaml").exists() and ckpt_root(p).is_dir()
 
 
+def drop_checkpoints(run_dir: str | Path) -> int:
+    """Delete a finished run's checkpoints (``keep_checkpoints`` 0 of compare / ladder); the
+    empty ``checkpoints/`` stays, so the directory is still recognised as a run (and says
+    why it cannot be resumed or audited: no checkpoint). Returns how many were deleted."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return 0
+    gone = [d for d in root.iterdir() if d.is_dir()]
+    for d in gone:
+        shutil.rmtree(d)
+    return len(gone)
+
+
 # ------------------------------------------------------------------ RNG states as JSON
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

@@ -104,7 +104,8 @@ def environment(threads: int | None = None, *, root: str | Path = SOURCE_ROOT) -
         "machine": platform.machine(),
         "env": {k: os.environ.get(k) for k in ENV_VARS if os.environ.get(k) is not None},
         "git": git_state(root),
-        "executable": sys.executable,
+        # the interpreter's name and whether it is a venv's, not its path (records hold no machine path)
+        "executable": Path(sys.executable).name + (" (venv)" if sys.prefix != sys.base_prefix else ""),
     }
 
 

@@ -12,13 +12,13 @@ each) and writes the report when all are done; each worker logs to
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ...train.portable import portable_command, portable_config, portable_path
 from .config import FIDELITY_KS_ARG
 
 #: trainer settings that do not change a seed's numbers (left out of the resume fingerprint)
@@ -90,9 +90,9 @@ def _fingerprint(a: dict, tcfg, cfg) -> dict:
     :func:`pdmask.train.config.comparable` puts them (the loss as the fields it resolves to)."""
     from ...train.config import comparable
 
-    t = {k: v for k, v in comparable(tcfg.to_dict()).items() if k not in _NEUTRAL_TRAIN_KEYS}
+    t = {k: v for k, v in comparable(portable_config(tcfg.to_dict())).items() if k not in _NEUTRAL_TRAIN_KEYS}
     c = {k: v for k, v in cfg.to_dict().items() if k not in _NEUTRAL_AUDIT_KEYS}
-    return _json({"audit": c, "trainer": t, "model": str(a["model"]), "lag": a["lag"]})
+    return _json({"audit": c, "trainer": t, "model": portable_path(str(a["model"])), "lag": a["lag"]})
 
 
 def _json(x):
@@ -322,7 +322,7 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     a = dict(locals())  # the arguments (first: nothing else is local yet)
     from rich.console import Console
 
-    from .report import write_report
+    from .report import headline, write_report
     from .runner import summarize_all
 
     tcfg, cfg = _configs(a)
@@ -344,9 +344,11 @@ def run_cli(*, out, model, config, set_, seeds, seed_offset, precision, temperat
     results = [load_seed(seed_path(d, s)) for s in all_seeds]
     check_not_empty(results)
     summary = summarize_all(results, cfg)
-    run = {"command": "pdmask " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+    run = {"command": portable_command("pdmask", sys.argv[1:]),
            "seeds": f"{seed_offset}..{seed_offset + seeds - 1}", "jobs": jobs, **info,
-           "trainer_config": tcfg.to_dict(), "wall_s": round(time.time() - t0, 1)}
+           "trainer_config": portable_config(tcfg.to_dict()), "wall_s": round(time.time() - t0, 1)}
     doc = write_report(out, results, summary, cfg, run_settings=run, plots=plots, runtime_s=round(time.time() - t0, 1))
     console.print(f"audit: wrote {Path(out) / 'audit.md'} ({seeds} seeds, {time.time() - t0:.0f} s)")
+    for line in headline(doc):  # the result, on stdout (progress and messages went to stderr)
+        Console(soft_wrap=True).print(line, markup=False, highlight=False)
     return doc

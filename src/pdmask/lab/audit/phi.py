@@ -56,6 +56,7 @@ from ...engine.hf import response_logits
 from ...loss import aggregate
 from ...masks import Thresholds, divergence_region
 from ...stats import token_stats
+from ...train.portable import portable_command, portable_config, portable_path
 from ...train.update import build_optimizer
 from ..batchmask import BatchMask
 from ..significance import DEFAULT_N_BOOT
@@ -416,8 +417,8 @@ def run(tcfg, settings: PhiSettings, *, out, model: str = "", lag: int = 0, seed
         settings = replace(settings, thresholds=phi_thresholds(tcfg, settings.divergence))
     if seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
-    run_ = PhiRun(Path(out), {"settings": asdict(settings), "model": model, "lag": lag,
-                              "trainer_config": tcfg.to_dict()})
+    run_ = PhiRun(Path(out), {"settings": asdict(settings), "model": portable_path(model) if model else model, "lag": lag,
+                              "trainer_config": portable_config(tcfg.to_dict())})
     run_.open(tcfg)
     src = build_source(tcfg, model=model, lag=lag, console=console)
     if src.optimizer_state is None:
@@ -454,7 +455,6 @@ def _floats(text: str, name: str) -> tuple:
 
 def main(argv=None) -> None:
     """``python -m pdmask.lab.audit.phi --help``."""
-    import shlex
     import sys
 
     import typer
@@ -492,7 +492,7 @@ def main(argv=None) -> None:
                                    bootstrap=bootstrap)
             console = Console(stderr=True)
             run(tcfg, settings, out=out, model=model, lag=lag, seeds=seeds, seed_offset=seed_offset,
-                command="python -m pdmask.lab.audit.phi " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                command=portable_command("python -m pdmask.lab.audit.phi", sys.argv[1:]),
                 console=console)
             console.print(f"wrote {out / 'phi.md'}")
         except ValueError as e:

@@ -72,18 +72,52 @@ def sign_row(kind: str, sname: str, t: dict, headline: str) -> str | None:
         return None
     cr, vs = t["criteria"], t[f"vs_{RATIO}"].get(headline, {})
     acc_p, acc_r = cr[headline]["sign_accuracy"], cr[RATIO]["sign_accuracy"]
-    if "sign_test" in vs:
-        s = vs["sign_test"]
-        test = f"{s['predictive_right']} / {s['n_untied']} predictive right, binomial {_p(s['p'])}"
-    else:
-        m = vs.get("mcnemar", {})
-        test = (f"discordant {m.get('only_predictive_right', 0)} : {m.get('only_ratio_right', 0)}, "
-                f"McNemar {_p(m.get('p'))}")
+    test = _test(vs)
     where = "O" if sname == "out_of_region" else "disagreement"
     if sname == "out_of_region" and KINDS[kind][1]:
         where = "O (uniform sample)"
     return (f"| {kind} | {where} | {t['n_tokens']} | {t['n_seeds']} | {ci(acc_p)} | {ci(acc_r)} | "
             f"{ci(vs.get('sign_accuracy'), signed=True)} | {test} |")
+
+
+def _test(vs: dict) -> str:
+    """The test of a set: the sign test on a disagreement set, McNemar's on O."""
+    if "sign_test" in vs:
+        s = vs["sign_test"]
+        return f"{s['predictive_right']} / {s['n_untied']} predictive right, binomial {_p(s['p'])}"
+    m = vs.get("mcnemar", {})
+    return (f"discordant {m.get('only_predictive_right', 0)} : {m.get('only_ratio_right', 0)}, "
+            f"McNemar {_p(m.get('p'))}")
+
+
+def _counts(seeds: list[dict], headline: str) -> str:
+    n_tok = sum(s["n_response_tokens"] for s in seeds)
+    n_o = sum(s["n_out_of_region"] for s in seeds)
+    n_dis = sum(s["n_disagreement"][headline] for s in seeds)
+    return (f"{len(seeds)} seeds, {n_tok} response tokens, {n_o} out-of-region tokens, {n_dis} disagreement tokens "
+            f"({headline} vs ratio)")
+
+
+def headline(doc: dict) -> list[str]:
+    """The audit's result as a few console lines: the token counts, then for the first step
+    kind (the batch step, the one the audit is about) the sign accuracy of the headline
+    criterion and of the ratio on O and on the disagreement set, each with its test and p
+    (the first rows of audit.md's summary table)."""
+    h = predictive_name(doc["settings"]["audit"]["estimator"])
+    S = doc["summary"]
+    L = [_counts(S["per_seed"], h)]
+    for kind, sets in S["rates"].items():
+        for sname in ("out_of_region", f"disagreement:{h}"):
+            t = sets.get(sname)
+            if t is None or h not in t["criteria"]:
+                continue
+            vs = t[f"vs_{RATIO}"].get(h, {})
+            where = "O" if sname == "out_of_region" else "disagreement"
+            L.append(f"{kind} step, {where} ({t['n_tokens']} tokens, {t['n_seeds']} seeds): sign accuracy {h} "
+                     f"{ci(t['criteria'][h]['sign_accuracy'])}, ratio {ci(t['criteria'][RATIO]['sign_accuracy'])}; "
+                     f"{_test(vs)}")
+        break
+    return L
 
 
 def summary_table(S: dict, headline: str) -> list[str]:
@@ -195,13 +229,9 @@ def markdown(doc: dict) -> str:
     L = ["# Direction audit", ""]
     if run.get("command"):
         L += ["Command:", "", "```", run["command"], "```", ""]
-    n_tok = sum(s["n_response_tokens"] for s in seeds)
-    n_o = sum(s["n_out_of_region"] for s in seeds)
-    n_dis = sum(s["n_disagreement"][headline] for s in seeds)
     loss = cfg["loss"]
     th = loss["thresholds"]
-    L += [f"{len(seeds)} seeds, {n_tok} response tokens, {n_o} out-of-region tokens, {n_dis} disagreement tokens "
-          f"({headline} vs ratio); divergence `{cfg['divergence']}`, "
+    L += [f"{_counts(seeds, headline)}; divergence `{cfg['divergence']}`, "
           + ", ".join(f"{k} {v}" for k, v in th.items() if k.startswith("delta"))
           + f"; batch step: mode `{loss['mode']}`, {cfg['optimizer']} lr {cfg['lr']}, "
           f"loss_agg {loss['aggregation']['loss_agg']}, is_cap {loss['corrections']['is_cap']}; optimizer state: "

@@ -64,6 +64,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     from ...train.trainable import engine_state_dict, variant
 
     from ...train.named_models import resolve_model
+    from ...train.portable import portable_path
 
     if not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag: must be a non-negative int, got {lag!r}")
@@ -76,7 +77,8 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
         if ckpt is None:
             raise ValueError(f"model: run directory {str(model)!r} has no complete checkpoint")
         S = setup(tcfg, console)  # the run's SFT base; the checkpoint's weights follow
-        ck = {"kind": "run-directory", "run_dir": str(model), "run_checkpoint": str(ckpt)}
+        ck = {"kind": "run-directory", "run_dir": portable_path(model),
+              "run_checkpoint": Path(ckpt).relative_to(model).as_posix()}  # relative to the run directory
     elif model:
         if not (Path(model) / "config.json").exists():
             raise ValueError(f"model: {str(model)!r} is neither a Hugging Face model directory (config.json) "
@@ -117,7 +119,7 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
     if lag:
         opt_state, lag_info = _lag_steps(policy, S.optimizer, sample, tcfg, lag, console)
     path = S.base_path
-    info = {"checkpoint": str(path), **ck, "sft": sft_info(path), "num_params": num_params(policy),
+    info = {"checkpoint": portable_path(path), **ck, "sft": sft_info(path), "num_params": num_params(policy),
             "vocab_size": policy.get_output_embeddings().weight.shape[0], "engine": tcfg.engine,
             "engine_precision": tcfg.engine_precision, "temperature": tcfg.loss.sampling.temperature, "top_k": tcfg.top_k,
             "lag": lag, "lag_steps": lag_info, "prompts_per_step": tcfg.prompts_per_step, "group_size": G,
