@@ -207,13 +207,16 @@ def _first_fall(rb: RunBreaks, name: str, xs: list[float], test) -> None:
 
 
 def judge_run(run: Path) -> RunBreaks | None:
-    """:func:`judge` of a run directory's ``metrics.jsonl`` and ``config.yaml``."""
+    """:func:`judge` of a run directory's ``metrics.jsonl`` and ``config.yaml``; its ``mode`` is
+    the run's label (:func:`pdmask.lab.seed_summary.variant_label`: ``dppo-topk-kl@old`` is not
+    merged with ``dppo-topk-kl``)."""
     from ..train.config import stored_config
     from ..train.logging import read_jsonl
+    from .seed_summary import variant_label
 
     cfg = stored_config(run) or {}
-    mode = cfg.get("mode") or (cfg.get("loss") or {}).get("mode")
-    return judge(read_jsonl(run / "metrics.jsonl"), mode=str(mode), seed=int(cfg.get("seed", 0)),
+    mode = variant_label(run, str(cfg.get("mode") or (cfg.get("loss") or {}).get("mode")))
+    return judge(read_jsonl(run / "metrics.jsonl"), mode=mode, seed=int(cfg.get("seed", 0)),
                  max_new_tokens=int(cfg.get("max_new_tokens", 1 << 30)), sync_every=int(cfg.get("sync_every", 1)))
 
 

@@ -13,6 +13,7 @@ the per-seed differences with a seed-bootstrap interval and an exact sign-flip p
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from .significance import DEFAULT_N_BOOT
@@ -30,10 +31,21 @@ def _stored_loss(run: Path) -> dict:
     return stored_loss(cfg or {})
 
 
+def variant_label(run: Path, mode: str) -> str:
+    """The label a run is grouped under: ``MODE@VARIANT`` when its directory is named
+    ``MODE@VARIANT-s<seed>`` with ``MODE`` its stored mode (a ladder cell of a variant,
+    :func:`pdmask.lab.ladder.mode_of`, e.g. ``dppo-topk-kl@old`` run with ``anchor: old``),
+    else the mode itself. A variant is the same mode with other settings, so its stored
+    ``loss.mode`` alone would merge it with the plain mode's runs of the same seeds."""
+    label = re.sub(r"-s\d+$", "", run.name)
+    return label if "@" in label and label.partition("@")[0] == mode else mode
+
+
 def run_label(run: Path) -> tuple[str, str]:
-    """(group label, run name): runs of the same mode and thresholds share a group."""
+    """(group label, run name): runs of the same mode (or variant label, :func:`variant_label`)
+    and thresholds share a group."""
     loss = _stored_loss(run)
-    mode = loss.get("mode", run.name)
+    mode = variant_label(run, loss.get("mode", run.name))
     d = loss.get("thresholds", {}).get("delta_high")
     group = mode if d is None else f"{mode} δ={d:g}"
     return group, run.name
@@ -163,7 +175,9 @@ def _run_info(run: Path) -> dict:
     cfg = yaml.safe_load(p.read_text()) or {}
     group, _ = run_label(run)
     loss = _stored_loss(run)
-    return {"run": run.name, "group": group, "mode": loss.get("mode", run.name), "seed": cfg.get("seed"),
+    # "mode" is the variant label: a MODE@VARIANT run pairs with, and is reported as, its own label
+    mode = variant_label(run, loss.get("mode", run.name))
+    return {"run": run.name, "group": group, "mode": mode, "seed": cfg.get("seed"),
             "delta_high": loss.get("thresholds", {}).get("delta_high"), "sync_every": int(cfg.get("sync_every") or 1)}
 
 
