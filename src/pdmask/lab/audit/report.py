@@ -219,7 +219,9 @@ def cost_table(seeds: list[dict]) -> list[str]:
     return L
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict, *, plots: bool = True) -> str:
+    """audit.md from the JSON doc; ``plots``: the PNGs were written beside it (else the page
+    links none: ``--no-plots``)."""
     cfg = doc["settings"]["audit"]
     run = doc["settings"].get("run", {})
     S = doc["summary"]
@@ -275,7 +277,8 @@ def markdown(doc: dict) -> str:
                       f"of {st['n_untied']} untied tokens ({st['n_tied']} tied), {_p(st['p'])}.", ""]
     L += fidelity_md(S["fidelity"], cfg) + entropy_md(S["entropy"])
     L += ["## Cost", ""] + cost_table(seeds) + [""]
-    L += ["## Plots", "", "![rates](rates.png)", "", "![fidelity](fidelity.png)", "", "![scatter](scatter.png)", ""]
+    L += ["## Plots", "", *(["![rates](rates.png)", "", "![fidelity](fidelity.png)", "", "![scatter](scatter.png)"]
+                            if plots else ["Not written (`--no-plots`)."]), ""]
     L += rollouts_md(seeds)
     L += ["## Per seed", "", "| seed | tokens | active (A != 0) | O | disagreement | measured (sample / dis.) | "
           "reward | loss | mean D |", "|---|---|---|---|---|---|---|---|---|"]
@@ -396,7 +399,7 @@ def write_report(outdir, results, summary: dict, cfg: AuditConfig, *, run_settin
     }
     doc = _jsonable(doc)
     (out / "audit.json").write_text(json.dumps(doc, indent=1))
-    (out / "audit.md").write_text(markdown(doc))
+    (out / "audit.md").write_text(markdown(doc, plots=plots))
     write_records(out / "audit_tokens.npz", results, cfg)
     if plots:
         from .plots import plot_all
