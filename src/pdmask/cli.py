@@ -91,6 +91,7 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            check_int_options(fn, kwargs)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
@@ -98,6 +99,47 @@ def user_errors(fn):
             _fail(e)
 
     return wrapper
+
+
+def int_option_ranges() -> dict[str, tuple[int, int]]:
+    """The range of the commands' integer options (typer checks that a value is an integer,
+    not its range); an option not listed takes ``[0, INT_MAX]`` (a count or a size). The
+    bounds are :mod:`pdmask.train.config`'s: ``MAX_SEEDS`` seeds per mode, ``MAX_JOBS``
+    processes, 32-bit seeds."""
+    from .train.config import INT_MAX, MAX_JOBS, MAX_SEEDS, SEED_MAX
+
+    return {"jobs": (1, MAX_JOBS), "seeds": (1, MAX_SEEDS), "seed_offset": (0, SEED_MAX),
+            "disagreement_tokens": (-1, INT_MAX), "top_k": (1, INT_MAX), "bootstrap": (1, INT_MAX),
+            "batches": (1, INT_MAX), None: (0, INT_MAX)}
+
+
+def check_int_options(fn, kwargs: dict) -> None:
+    """Every integer option of a command call within :func:`int_option_ranges`, before the
+    command does anything (a ``ValueError`` naming the flag otherwise): a huge value would
+    overflow C code or plan for ever."""
+    import typing
+
+    from .train.config import SEED_MAX
+
+    ranges, hints = int_option_ranges(), typing.get_type_hints(fn)
+    for name, v in kwargs.items():
+        tp = hints.get(name)
+        if tp is not int and int not in typing.get_args(tp) or not isinstance(v, int) or isinstance(v, bool):
+            continue
+        lo, hi = ranges.get(name, ranges[None])
+        if not lo <= v <= hi:
+            raise ValueError(f"--{name.replace('_', '-')}: must be an integer in [{lo}, {hi}], got {v}")
+    first, n = kwargs.get("seed_offset"), kwargs.get("seeds")
+    if isinstance(first, int) and isinstance(n, int) and first + n - 1 > SEED_MAX:
+        raise ValueError(f"--seeds: the last seed (--seed-offset + --seeds - 1 = {first + n - 1}) must be at most "
+                         f"{SEED_MAX}")
+
+
+def _usage_line(e) -> str:
+    """A command-line usage error (an option that is not an integer, an unknown option or
+    command) as one line naming the option, and where the options are listed."""
+    where = getattr(getattr(e, "ctx", None), "command_path", None) or "pdmask"
+    return f"{' '.join(e.format_message().split())} ({where} --help lists the options)"
 
 
 def _print_config_help():
@@ -363,8 +405,26 @@ for _cmd in app.registered_commands:
     _cmd.callback = user_errors(_cmd.callback)
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """The ``pdmask`` command: typer's app, its usage errors (an option that is not an integer,
+    an unknown option or command) one ``error: ...`` line with exit code 2 like every user
+    error, instead of typer's framed message."""
+    try:
+        from typer._click import exceptions as cx  # typer >= 0.20 carries its own click
+    except ImportError:  # older typer: click itself
+        from click import exceptions as cx
+
+    try:
+        rv = app(args=argv, prog_name="pdmask", standalone_mode=False)
+    except cx.NoArgsIsHelpError as e:  # `pdmask` alone: the help is printed
+        sys.exit(e.exit_code)
+    except cx.ClickException as e:
+        typer.echo(f"error: {_usage_line(e)}", err=True)
+        sys.exit(e.exit_code)
+    except cx.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

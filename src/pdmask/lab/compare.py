@@ -48,9 +48,18 @@ PAIRS = [("dppo-topk-kl", "pdm-topk-kl"), ("dppo-topk-tv", "pdm-topk-tv")]
 
 def plan_runs(cfg: TrainConfig, modes: list[str], seeds: int, deltas: list[float] | None,
               out_dir: str) -> list[TrainConfig]:
-    """One config per (delta, mode, seed); ``grpo`` (a ratio clip) ignores deltas."""
+    """One config per (delta, mode, seed); ``grpo`` (a ratio clip) ignores deltas. At most
+    :data:`pdmask.train.config.MAX_SEEDS` seeds per mode, the last one a 32-bit seed: a huge
+    count is refused at once instead of validating one config per seed for ever."""
+    from ..train.config import MAX_SEEDS, SEED_MAX
+
     if seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {seeds}")
+    if seeds > MAX_SEEDS:
+        raise ValueError(f"seeds: must be at most {MAX_SEEDS} per mode (each is a training run), got {seeds}")
+    if cfg.seed + seeds - 1 > SEED_MAX:
+        raise ValueError(f"seeds: the last seed (seed {cfg.seed} + seeds - 1 = {cfg.seed + seeds - 1}) must be at "
+                         f"most {SEED_MAX}")
     if not modes:
         raise ValueError("modes: give at least one mode")
     runs = []
@@ -200,6 +209,8 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
     t0 = time.time()
     load0 = os.getloadavg()
     cfgs = plan_runs(cfg, modes, seeds, deltas, str(out))
+    console.print(f"plan: {len(cfgs)} runs ({len(modes)} modes x {seeds} seeds"
+                  + (f" x {len(deltas)} deltas" if deltas else "") + ")")
     cfgs, drop = _checkpoint_policy(cfgs, keep_checkpoints, out, console)
     sft_t = time.time()
     base = ensure_sft_checkpoint(cfg, console=console)  # once, before any run (runs then hit the cache)

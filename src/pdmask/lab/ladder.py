@@ -160,6 +160,17 @@ def canonical_key(key: str) -> str:
     return key if path is None else f"loss.{path}"
 
 
+def _check_seed_count(n_seeds: int, seed0) -> None:
+    """At most MAX_SEEDS seeds, the last one a 32-bit seed (:mod:`pdmask.train.config`)."""
+    from ..train.config import MAX_SEEDS, SEED_MAX
+
+    if n_seeds > MAX_SEEDS:
+        raise ValueError(f"seeds: must be at most {MAX_SEEDS} per mode (each is a training run), got {n_seeds}")
+    if isinstance(seed0, int) and not isinstance(seed0, bool) and not 0 <= seed0 <= SEED_MAX - n_seeds + 1:
+        raise ValueError(f"seed0: the seeds seed0 .. seed0 + seeds - 1 must lie in [0, {SEED_MAX}], got seed0 "
+                         f"{seed0} with {n_seeds} seeds")
+
+
 def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: int | None = None,
               overrides: list[str] | None = None) -> LadderSpec:
     """Read and check a ladder spec; ``modes`` / ``seeds`` replace the spec's, ``overrides``
@@ -202,6 +213,7 @@ def load_spec(path: str | Path, *, modes: list[str] | str | None = None, seeds: 
     n_seeds = int(seeds if seeds is not None else d.get("seeds", 8))
     if n_seeds < 1:
         raise ValueError(f"seeds: must be >= 1, got {n_seeds}")
+    _check_seed_count(n_seeds, d.get("seed0", 0))  # before one config per cell is planned
     cli = dict(parse_override(o) for o in (overrides or []))
     _overrides(cli, "overrides")
     mode_set = d.get("mode_set") or {}

@@ -107,6 +107,11 @@ class TrainConfig:
     loss_from: str = _f("logits", "logits: the loss reads the trainer's (B, T, V) logits; hidden: it reads the "
                                   "final hidden states and the LM-head weight, and no (B, T, V) tensor enters the graph "
                                   "(pdmask.policy_loss_from_hidden; not with full_logits or the pdm-batch-* modes)")
+    frozen_prefix_cache: str = _f("auto", "with train_blocks: the frozen blocks' hidden states are computed once per "
+                                          "step (with anchor: old, in its forward) and the updates run the trained "
+                                          "blocks only. auto: where that is bit for bit the plain forward (the first "
+                                          "epoch); true: in every epoch (later ones equal to float rounding); false: "
+                                          "never")
     # ---------------------------------------------------------------- the loss (docs/trainer.md)
     loss: Any = _f(None, "the policy loss, one pdmask.PolicyLoss: loss.mode, loss.estimator, loss.support, "
                          "loss.thresholds.*, loss.corrections.*, loss.sampling.* (the engine samples with it too), "
@@ -189,6 +194,12 @@ class TrainConfig:
         return self
 
     def _validate_ranges(self) -> None:
+        for k, (lo, hi) in INT_RANGES.items():  # first: a huge int overflows C code later
+            v = getattr(self, k)
+            if v > hi:
+                raise ValueError(f"{k}: must be at most {hi}{INT_WHY.get(k, '')}, got {v}")
+            if v < lo and k in SEED_KEYS + ("eval_answers",):  # the other lower bounds: below, with reasons
+                raise ValueError(f"{k}: must be >= {lo}{INT_WHY.get(k, '')}, got {v}")
         positive = ["threads", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                     "max_positions", "train_size", "eval_size", "max_number", "min_steps", "max_steps",
                     "sft_batch_size", "steps", "prompts_per_step", "group_size", "minibatches", "epochs",
@@ -255,6 +266,35 @@ class TrainConfig:
             raise ValueError(f"shots: must be >= 0, got {self.shots}")
 
 
+#: Seeds: torch's and numpy's generators take a seed below 2**32 (the data schedule multiplies it).
+SEED_MAX = 2**32 - 1
+#: Threads: more than any machine has (torch refuses values past a C int with an overflow).
+THREADS_MAX = 1024
+#: Every other integer key: a C int (a size, a count, a number of steps past it is no run).
+INT_MAX = 2**31 - 1
+SEED_KEYS = ("seed", "sft_seed", "task_seed")
+#: Seeds per mode of an experiment (``pdmask compare / ladder / audit --seeds``): each is at
+#: least one training run, so more is a typo, and planning them would not end.
+MAX_SEEDS = 10_000
+#: Processes run side by side (``--jobs``): more than a machine could run.
+MAX_JOBS = 1024
+#: The range of every integer key, checked by :meth:`TrainConfig.validate` before the rest
+#: (the keys' lower bounds other than the seeds' and ``eval_answers``' come after, with their
+#: reasons: ``steps >= 1``, ``train_blocks >= 0 (0: off)``, ...).
+INT_RANGES: dict[str, tuple[int, int]] = {
+    k: ((0, SEED_MAX) if k in SEED_KEYS else (1, THREADS_MAX) if k == "threads" else (0, INT_MAX))
+    for k, tp in typing.get_type_hints(TrainConfig).items() if tp is int}
+INT_WHY = {"threads": " (torch CPU threads; more than a machine has is a typo)",
+           **dict.fromkeys(SEED_KEYS, " (a 32-bit seed, as torch's and numpy's generators take)")}
+
+
+def check_loss_int(key: str, value: Any) -> None:
+    """An integer loss field (``sampling.top_k``, ``compute.chunk_rows``, ``aggregation.dp_size``)
+    within a C int, named as written, before the spec reads it."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
+        raise ValueError(f"{key}: must be an integer of at most {INT_MAX}, got {value}")
+
+
 def _forward_need(cfg: TrainConfig) -> str:
     return get_mode(cfg.loss.mode).extras[0]
 
@@ -281,6 +321,7 @@ def _validate_trainable(cfg: TrainConfig) -> None:
                 raise ValueError(f"{k}: applies with lora_rank >= 1 only (LoRA is off); set lora_rank or remove {k}")
     if not cfg.model_path and cfg.train_blocks > cfg.num_layers:
         raise ValueError(f"train_blocks: the model has num_layers={cfg.num_layers} blocks, got {cfg.train_blocks}")
+    _validate_prefix_cache(cfg)
     check_choice("loss_from", cfg.loss_from, LOSS_FROM)
     if cfg.loss_from == "hidden":
         if forward_for(cfg.loss.mode) is not None:
@@ -290,6 +331,22 @@ def _validate_trainable(cfg: TrainConfig) -> None:
             raise ValueError("loss_from: hidden takes no rollout logits, and full_logits=true is for them (the "
                              f"*-full-* modes, the full-vocabulary mismatch metrics); use loss_from=logits "
                              f"(mode {cfg.loss.mode!r}) or full_logits=false")
+
+
+def _validate_prefix_cache(cfg: TrainConfig) -> None:
+    """``frozen_prefix_cache``: a choice; ``true`` (which asks for the cache in every epoch) only
+    where there is a frozen prefix to cache and the update reads it."""
+    from .frozen_prefix import PREFIX_CACHE
+
+    check_choice("frozen_prefix_cache", cfg.frozen_prefix_cache, PREFIX_CACHE)
+    if cfg.frozen_prefix_cache != "true":
+        return
+    if cfg.train_blocks < 1:
+        raise ValueError("frozen_prefix_cache: true needs train_blocks >= 1 (with every block trained, nothing below "
+                         "them is frozen); use auto or false")
+    if forward_for(cfg.loss.mode) is not None:
+        raise ValueError(f"frozen_prefix_cache: mode {cfg.loss.mode!r} runs its own forward (its batch direction), "
+                         "which does not read the cache; use auto or false")
 
 
 def _validate_loss(cfg: TrainConfig) -> None:
@@ -421,6 +478,7 @@ def config_values(items, where: str) -> tuple[dict, dict, dict]:
         else:
             raise _unknown(k, where)
         for path, x, written in pairs:
+            check_loss_int(written, x)
             put_path(loss, path, coerce_leaf(path, x))
             names[path] = written
     return top, loss, names
