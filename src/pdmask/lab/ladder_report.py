@@ -45,9 +45,11 @@ from .seed_summary import mean_present as _mean
 N_BOOT = DEFAULT_N_BOOT
 
 
-#: The files of a run the report reads (config, per-step metrics, the run's summary): the
-#: records :func:`export_records` copies. Checkpoints and logs are not among them.
-RECORD_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+#: The files of a run the report reads (config, per-step metrics, the run's summary) and the
+#: greedy answers saved at each eval (``eval_answers > 0``; read by the stale-engine report,
+#: :mod:`pdmask.lab.stale_report`): the records :func:`export_records` copies. Checkpoints and
+#: logs are not among them.
+RECORD_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "eval_answers.jsonl")
 
 
 def export_records(spec, out: str | Path, dest: str | Path) -> int:

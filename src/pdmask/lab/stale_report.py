@@ -5,6 +5,9 @@ Built from the records of one rung's runs only (``config.yaml``, ``metrics.jsonl
 the committed copy of them::
 
     python -m pdmask.lab.stale_report RUNG_DIR [--out DIR] [--versus none,dppo-topk-kl]
+    # the committed page: the ladder's --report-dir copies the same records
+    pdmask ladder --spec configs/real-stale.yaml --report-only --report-dir docs/results/real-stale
+    python -m pdmask.lab.stale_report docs/results/real-stale/lr3e-4-sync8 --out docs/results/real-stale
 
 Runs are grouped by **label**, the run directory's name minus ``-s<seed>``
 (:func:`pdmask.lab.seed_summary.variant_label`): ``dppo-topk-kl@old`` is the mode
@@ -42,8 +45,6 @@ from .significance import DEFAULT_N_BOOT
 #: the labels every other label is compared with: training without a trust region, and the
 #: mu-anchored DPPO mask at the fp8 engine's q90
 DEFAULT_VERSUS = ("none", "dppo-topk-kl")
-#: the records of a run this report reads (``eval_answers.jsonl`` only for answers.md)
-STALE_RECORD_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "eval_answers.jsonl")
 
 #: where a region binds, pooled over the runs' steps and seeds: key -> (what it is, weight).
 #: weight ``"num_tokens"``: a per-token share or mean, pooled as sum(value x the step's response
@@ -338,11 +339,14 @@ def _environment_line(runs: list[Path]) -> str:
 
 
 def export_records(rung_dir: str | Path, dest: str | Path) -> int:
-    """Copy :data:`STALE_RECORD_FILES` of every run directory under ``rung_dir`` (finished or
-    not) into ``dest/<run>/``, so the report is rebuilt from what is committed beside it; a
-    record a run no longer has is removed from its copy. Returns the number of runs copied.
+    """Copy the records of every run directory under ``rung_dir`` (finished or not;
+    :data:`pdmask.lab.ladder_report.RECORD_FILES`, ``eval_answers.jsonl`` included) into
+    ``dest/<run>/``, so the report is rebuilt from what is committed beside it; a record a run
+    no longer has is removed from its copy. Returns the number of runs copied.
     Naive equivalent: ``rsync -a --include='*/' --include='{config.yaml,...}' --exclude='*'``."""
     import shutil
+
+    from .ladder_report import RECORD_FILES
 
     src, dest = Path(rung_dir), Path(dest)
     if not src.is_dir():
@@ -350,7 +354,7 @@ def export_records(rung_dir: str | Path, dest: str | Path) -> int:
     n = 0
     for r in sorted(p for p in src.iterdir() if p.is_dir() and (p / "metrics.jsonl").is_file()):
         n += 1
-        for f in STALE_RECORD_FILES:
+        for f in RECORD_FILES:
             target = dest / r.name / f
             if (r / f).is_file():
                 target.parent.mkdir(parents=True, exist_ok=True)
