@@ -151,7 +151,7 @@ def loss_time_ratio(cfg: TrainConfig, mode_a: str, mode_b: str, *, reps: int = 1
     """Interleaved timing of ``compute_loss`` + backward for two modes on one fixed batch.
 
     Returns medians (seconds) and ``ratio = median_b / median_a``."""
-    S = setup(replace(cfg, {"loss.mode": mode_a}, progress=False))
+    S = setup(replace(cfg, {"loss.mode": mode_a}, progress=False), keep_threads=True)  # timed at cfg.threads
     pidx = step_prompts(0, cfg, len(S.train_ids))
     prompts = [S.train_ids[i] for i in pidx for _ in range(cfg.group_size)]
     batch = S.engine.generate(prompts, max_new_tokens=cfg.max_new_tokens, seed=rollout_seed(cfg, 0),

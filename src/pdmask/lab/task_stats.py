@@ -52,7 +52,7 @@ def task_stats(cfg, *, precisions: list[str], batches: int, console=None) -> dic
         raise ValueError("loss.sampling: task-stats measures the full-vocabulary KL against the engine's full logits, "
                          "which belong to the untruncated mu; run it without top_k / top_p / min_p")
     t0 = time.time()
-    S = setup(cfg, console)
+    S = setup(cfg, console, keep_threads=True)  # the measurements run at cfg.threads
     policy = S.model.eval()
     eos = S.tokenizer.eos_token_id
     n_train = len(S.train_ids)

@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -148,3 +149,20 @@ def environments_line(groups: list[dict]) -> str:
         return ""
     return (f"The runs were computed in {len(groups)} different environments "
             f"(summary.json `runs_environments`); their numbers are not bitwise comparable.")
+
+
+@contextmanager
+def torch_threads(n: int, *, keep: bool = False):
+    """torch's CPU thread count is ``n`` inside the block and the caller's again after it, so a
+    library call never leaves the process changed. ``keep=True``: a block that ends normally
+    leaves ``n`` (a command whose next work runs at the config's count). Naive equivalent:
+    ``before = torch.get_num_threads(); torch.set_num_threads(n); ...; torch.set_num_threads(before)``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        if not (keep and ended):
+            torch.set_num_threads(before)

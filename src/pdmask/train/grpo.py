@@ -44,7 +44,7 @@ import torch
 from ..engine.registry import build_engine
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .environment import environment
+from .environment import environment, torch_threads
 from .finite import first_nonfinite, stop, trained_parameters, watch
 from .logging import RunLogger, read_jsonl, truncate_jsonl
 from .model import encode_prompts, load_model_and_tokenizer, num_params
@@ -105,10 +105,17 @@ class Setup:
     base_path: object
 
 
-def setup(cfg: TrainConfig, console=None) -> Setup:
+def setup(cfg: TrainConfig, console=None, *, keep_threads: bool = False) -> Setup:
     """SFT base (cached), model + tokenizer, task, encoded prompts, rollout engine, the
-    trainable-parameter variant (frozen blocks, LoRA adapters), AdamW over what trains."""
-    torch.set_num_threads(cfg.threads)
+    trainable-parameter variant (frozen blocks, LoRA adapters), AdamW over what trains.
+
+    Built at ``cfg.threads`` torch threads; the caller's thread count comes back when it
+    returns (``keep_threads=True``: it stays ``cfg.threads``, for a command whose work follows)."""
+    with torch_threads(cfg.threads, keep=keep_threads):
+        return _setup(cfg, console)
+
+
+def _setup(cfg: TrainConfig, console) -> Setup:
     base = ensure_sft_checkpoint(cfg, console=console)
     model, tok = load_model_and_tokenizer(base, cfg.device)
     model.train()
@@ -159,12 +166,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, console=None) -> dict:
     console = console or Console()
     cfg.validate()
     check_run(cfg, resume=resume)
-    caller_threads = torch.get_num_threads()  # the run's thread count is its own; the caller's comes back
-    try:
-        with lock_run_dir(cfg.run_dir):
-            return _train(cfg, resume=resume, console=console)
-    finally:
-        torch.set_num_threads(caller_threads)
+    # the run's thread count is its own; the caller's comes back
+    with torch_threads(cfg.threads), lock_run_dir(cfg.run_dir):
+        return _train(cfg, resume=resume, console=console)
 
 
 def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .environment import torch_threads
 from .named_models import resolve_model
 from .model import build_model, encode_prompts, load_model_and_tokenizer, num_params, quiet_transformers
 from .preflight import check_cache, check_environment, check_lengths
@@ -131,12 +132,17 @@ def _batch(seqs: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def run_sft(cfg, out_dir: Path, *, console=None) -> dict:
-    """Train the SFT base and save it (model, tokenizer) to ``out_dir``; returns its record."""
+    """Train the SFT base and save it (model, tokenizer) to ``out_dir``; returns its record.
+    Trains at ``cfg.threads`` torch threads; the caller's count comes back after it."""
+    with torch_threads(cfg.threads):
+        return _run_sft(cfg, out_dir, console)
+
+
+def _run_sft(cfg, out_dir: Path, console) -> dict:
     from .progress import make_progress
 
     t0 = time.time()
     quiet_transformers()
-    torch.set_num_threads(cfg.threads)
     task = build_task(cfg)
     data = [p for p in task.train if p.solution]
     if cfg.sft_steps > 0 and not data:

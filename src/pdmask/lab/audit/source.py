@@ -76,17 +76,17 @@ def build_source(tcfg, *, model: str = "", lag: int = 0, console=None) -> Source
         ckpt = latest_checkpoint(model)
         if ckpt is None:
             raise ValueError(f"model: run directory {str(model)!r} has no complete checkpoint")
-        S = setup(tcfg, console)  # the run's SFT base; the checkpoint's weights follow
+        S = setup(tcfg, console, keep_threads=True)  # the run's SFT base; the checkpoint's weights follow
         ck = {"kind": "run-directory", "run_dir": portable_path(model),
               "run_checkpoint": Path(ckpt).relative_to(model).as_posix()}  # relative to the run directory
     elif model:
         if not (Path(model) / "config.json").exists():
             raise ValueError(f"model: {str(model)!r} is neither a Hugging Face model directory (config.json) "
                              "nor a pdmask run directory (config.yaml + checkpoints/)")
-        S = setup(replace(tcfg, model_path=str(model), sft_steps=0), console)
+        S = setup(replace(tcfg, model_path=str(model), sft_steps=0), console, keep_threads=True)
         ck = {"kind": "hf-directory"}
     else:
-        S, ck = setup(tcfg, console), {"kind": "built-in SFT"}
+        S, ck = setup(tcfg, console, keep_threads=True), {"kind": "built-in SFT"}
     policy, engine, opt_state = S.model, S.engine, None  # the engine: a copy of the base weights
     if ckpt is not None:
         same_prec = load_config_value(Path(model) / "config.yaml", "engine_precision") == tcfg.engine_precision
