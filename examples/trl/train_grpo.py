@@ -13,6 +13,7 @@ A tiny model built in memory (no model package, seconds per step):
 
     pip install -e ".[trl]"
     python examples/trl/train_grpo.py --mask-mode pdm-topk-kl --max-steps 4
+    python examples/trl/train_grpo.py --anchor old --num-iterations 2 --max-steps 4   # region on pi_old
 
 Two processes (CPU: gloo; GPUs: NCCL):
 
@@ -132,6 +133,9 @@ def main(argv=None):
     p.add_argument("--is-cap", type=float, default=None, help="IS cap C in min(pi/mu, C) (default: pdmask's, 5)")
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.0, help="TRL's KL penalty to the reference model")
+    p.add_argument("--anchor", choices=("rollout", "old"), default="rollout",
+                   help="where the region is centred: the generator's mu, or TRL's pi_old (old needs a batch that "
+                        "outlives an optimizer step: --num-iterations 2, or the tiny model's default)")
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--num-iterations", type=int, default=None, help="updates per generation batch (default: 2 with "
                                                                      "--model, else 1)")
@@ -174,7 +178,7 @@ def main(argv=None):
         vllm_importance_sampling_correction=False,
         # the trust-region mask
         mask_mode=a.mask_mode, mask_estimator=a.mask_estimator, mask_delta_low=pick["mask_delta"],
-        mask_delta_high=pick["mask_delta"], rollout_top_k=k, is_cap=a.is_cap,
+        mask_delta_high=pick["mask_delta"], rollout_top_k=k, is_cap=a.is_cap, anchor=a.anchor,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer)

@@ -19,7 +19,8 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     """TRL's ``GRPOConfig`` plus the mask settings (all prefixed by what they configure).
 
     The policy loss is :func:`pdmask.policy_loss` (METHOD.md section 2), anchored to the
-    rollout policy mu reported by the generator -- not to a recomputed "old" policy::
+    rollout policy mu reported by the generator (``anchor="rollout"``, the default; with
+    ``anchor="old"`` to TRL's recomputed pi_old, mu then entering as the IS weight pi_old/mu)::
 
         loss_t = - M_t * sg(min(pi_k / mu_k, is_cap)) * A_t * log pi_k          (dppo-*, pdm-*)
         loss_t = max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high)), r = pi_k / mu_k   (grpo)
@@ -106,12 +107,21 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_validate: bool = field(
         default=True,
         metadata={"help": "Check the loss inputs (one host sync per micro-batch)."})
+    anchor: str = field(
+        default="rollout",
+        metadata={"help": "Where the trust region is centred: 'rollout' (the generator's mu, DPPO's anchor) or "
+                          "'old' (pi_old, the weights that generated the batch, from the old log-prob forward TRL "
+                          "runs when num_iterations > 1 or steps_per_generation > gradient_accumulation_steps; the "
+                          "top-K modes read pi_old at the generator's top-K ids from that same forward). With 'old' "
+                          "the IS correction (is_* fields, TRL's vLLM correction) weighs pi_old/mu, detached. "
+                          "Refused where TRL computes no old log-probs (docs/trl.md, 'The anchor')."})
 
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.is_level, str) and self.is_level.lower() in ("none", "null", ""):
             self.is_level = None  # from the command line
         options.check(self)  # mask_mode and the TRL options first (a refused one explains the rest)
+        options.check_anchor(self)
         spec = options.loss_spec(self)  # every mask, correction and sampling setting, checked once
         mode = spec.mask_mode
         if self.rollout_top_k is None:

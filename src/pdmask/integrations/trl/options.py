@@ -1,7 +1,8 @@
 """What the pdmask trainer does with every TRL 1.16 ``GRPOConfig`` option that changes the objective.
 
 The pdmask trainer replaces TRL's policy loss with :func:`pdmask.policy_loss`, anchored on
-the rollout policy mu the generator reports. Each TRL option that shapes TRL's loss is
+the rollout policy mu the generator reports (or, with ``anchor="old"``, on TRL's old
+log-probs, :func:`check_anchor`). Each TRL option that shapes TRL's loss is
 therefore either **honoured** (it means the same here; :func:`loss_spec` maps it) or
 **refused** at config time: :func:`check` raises a one-line ``ValueError`` that starts
 with the option's name. This module is the one place that decides; :data:`OPTIONS` is the
@@ -64,8 +65,10 @@ def _grpo(args) -> bool:
 
 
 def _ratio_weighted(args) -> bool:
-    """The mode differentiates its ratio pi/mu (grpo, drpo, spo, pdm-smooth-*): the ratio is its IS weight."""
-    return args.mask_mode in MODES and MODES[args.mask_mode].surrogate != "dppo"
+    """The mode differentiates its ratio pi/mu (grpo, drpo, spo, pdm-smooth-*): the ratio is its IS weight.
+    Not with ``anchor="old"``: the ratio is then pi/pi_old and the IS weight pi_old/mu is its own."""
+    return (args.mask_mode in MODES and MODES[args.mask_mode].surrogate != "dppo"
+            and getattr(args, "anchor", "rollout") != "old")
 
 
 
@@ -287,7 +290,8 @@ OPTIONS: tuple[Option, ...] = (
            _when(lambda a: bool(a.use_transformers_continuous_batching),
                  "continuous batching reports no per-step scores; use generate() or vLLM")),
     Option("router_aux_loss_coef", "honoured", "MoE load-balancing loss added as TRL adds it (coef x aux / GA)"),
-    Option("num_iterations", "honoured", "updates per generation batch; the anchor stays mu (the mask acts)"),
+    Option("num_iterations", "honoured", "updates per generation batch; the region stays centred on mu (the mask "
+           "acts), or on TRL's pi_old with anchor='old'"),
     Option("steps_per_generation", "honoured", "dapo normaliser, as in TRL"),
     Option("generation_batch_size", "honoured", "dapo normaliser, as in TRL"),
     Option("max_completion_length", "honoured", "dr_grpo normaliser, as in TRL"),
@@ -342,6 +346,30 @@ def check(args) -> None:
         why = opt.refuse(args) if opt.refuse is not None else None
         if why:
             raise ValueError(f"{opt.name}: {why}")
+
+
+def old_logps_computed(args) -> bool:
+    """TRL 1.16 scores a generation batch for ``old_per_token_logps`` (``_generate_and_score_completions``)
+    iff ``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``: a batch outlives an
+    optimizer step (``num_iterations > 1``, ``steps_per_generation > gradient_accumulation_steps``). Its
+    vLLM-IS-only forward does not count: pdmask's correction replaces TRL's, and pi_old would be pi."""
+    return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
+
+
+def check_anchor(args) -> None:
+    """``anchor``: one of :data:`pdmask.anchor.ANCHORS`; ``"old"`` only where TRL computes pi_old
+    (:func:`old_logps_computed`), refused with one line saying why elsewhere."""
+    from ...anchor import ANCHORS
+
+    check_choice("anchor", args.anchor, ANCHORS)  # a SpecError: a one-line ValueError naming anchor
+    if args.anchor == "old" and not old_logps_computed(args):
+        G, S, N = args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations
+        raise ValueError(
+            f"anchor: 'old' centres the region on the old log-probs TRL computes when a generation batch outlives "
+            f"an optimizer step, and here it does not: gradient_accumulation_steps={G} is a multiple of "
+            f"steps_per_generation x num_iterations = {S} x {N}, so every update on a batch falls in one "
+            "optimizer step and pi_old is pi itself (a region that never binds); set num_iterations > 1 or "
+            "steps_per_generation > gradient_accumulation_steps, or anchor='rollout'")
 
 
 def check_mask_options(args) -> None:
@@ -424,7 +452,8 @@ def loss_spec(args):
         return PolicyLoss(mode=args.mask_mode, estimator=args.mask_estimator,
                           thresholds=Thresholds(args.mask_delta_low, args.mask_delta_high, args.epsilon, eps_high, dual),
                           corrections=corrections(args), sampling=sampling(args),
-                          compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate)
+                          compute=Compute(chunk_rows=args.mask_chunk_size), validate=args.mask_validate,
+                          anchor=args.anchor)
     except SpecError as e:  # the core names its field; name the config's
         if e.field in _FIELD_OF:
             raise e.renamed(_FIELD_OF[e.field]) from None
@@ -432,5 +461,6 @@ def loss_spec(args):
 
 
 __all__ = ["IS_CAP_DEFAULT", "IS_DEFAULTS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "SUPPLIED_NEEDS", "UNSET",
-           "VLLM_IS_MODES", "accepted_modes", "check", "check_mask_options", "check_mode", "corrections", "is_set",
-           "loss_spec", "mode_refusal", "sampling", "trl_default", "vllm_is_on"]
+           "VLLM_IS_MODES", "accepted_modes", "check", "check_anchor", "check_mask_options", "check_mode",
+           "corrections", "is_set", "loss_spec", "mode_refusal", "old_logps_computed", "sampling", "trl_default",
+           "vllm_is_on"]

@@ -42,11 +42,14 @@ import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from ..._validate import SpecError
+from ...anchor import Anchor
 from ...loss import Aggregation, aggregate
 from ...ops import Hidden
 from ...rollout import Rollout
 from ...formats.vllm import check_sampling_semantics, from_ranked_lists
+from . import binding as _binding
 from . import hidden as _hidden
+from . import old_policy as _old_policy
 from . import options
 from .capture import TopKRecorder
 from .config import PDMaskGRPOConfig
@@ -81,6 +84,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
         self._pdmask_rollout: Rollout | None = None
+        self._pdmask_old_pending: dict | None = None  # anchor="old": the old-log-prob forward's top-K (old_policy)
         # the config's one loss spec, built once (as GRPOTrainer reads its sampling settings once)
         self._pdmask_loss = options.loss_spec(a)
         super().__init__(*args_, **kwargs)
@@ -88,6 +92,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         if vocab is not None and a.rollout_top_k > vocab:
             raise ValueError(f"rollout_top_k: K={a.rollout_top_k} exceeds the model's vocabulary size {vocab}; "
                              f"set rollout_top_k <= {vocab}")
+        self._pdmask_vocab = self.accelerator.unwrap_model(self.model).get_output_embeddings().weight.shape[0]
         if a.loss_from_hidden:  # after TRL's own patches (cast_lm_head_to_fp32, the fused head)
             _hidden.check_head(self.model, cast_lm_head_to_fp32=a.cast_lm_head_to_fp32,
                                aux_loss_enabled=self.aux_loss_enabled)
@@ -155,12 +160,16 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         fraction GA / steps_per_generation (so the modulo is exactly 0; the attribute is read
         nowhere else in that method) and TRL's ``vllm_importance_sampling_correction``
         attribute False (TRL then skips its own IS weights and their ``sampling/*`` metrics,
-        which need the old log-probs). Both are restored after the call."""
-        if not self._pdmask_skip_old_logps:
+        which need the old log-probs). Both are restored after the call. With ``anchor="old"``
+        only the latter: TRL's old-log-prob forward then runs, answered by
+        :func:`.old_policy.old_logprobs` (:meth:`_get_per_token_logps_and_entropies`)."""
+        anchored = self._pdmask_loss.anchored  # anchor="old": TRL's forward is the anchor's (old_policy.py)
+        if not (self._pdmask_skip_old_logps or anchored):
             yield
             return
         saved = self.num_iterations, self.vllm_importance_sampling_correction
-        self.num_iterations = Fraction(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+        if not anchored:
+            self.num_iterations = Fraction(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
         self.vllm_importance_sampling_correction = False
         try:
             yield
@@ -172,14 +181,39 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         position ids counted from each row's first real token, as generate(), vLLM and the loss
         count them (:meth:`_forward_inputs`). TRL passes none, so on a left-padded row its
         reference log-probs would differ from the loss's pi at the same weights and the KL
-        term would not be 0 where the two models agree."""
+        term would not be 0 where the two models agree. With ``anchor="old"`` the first call of a
+        generation batch on the policy itself is TRL's old-log-prob forward: answered by
+        :func:`.old_policy.old_logprobs` (pi_old at the sampled and the generator's top-K ids)."""
+        pending = self._pdmask_old_pending
+        if pending is not None and model is self.model and not pending:
+            return self._old_policy_forward(model, input_ids, attention_mask, *args, **kwargs)
         return super()._get_per_token_logps_and_entropies(_WithPositions(model), input_ids, attention_mask,
                                                           *args, **kwargs)
 
+    def _old_policy_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                            compute_entropy=False, compute_aux_loss=False, **mm):
+        """TRL's old-log-prob forward, as :func:`.old_policy.old_logprobs`: its log-probs at the
+        sampled ids go back to TRL (``old_per_token_logps``), those at the top-K ids wait in
+        ``_pdmask_old_pending`` for :meth:`_generate_and_score_completions`."""
+        given = [k for k, v in mm.items() if v is not None and k in _old_policy.MULTIMODAL]
+        if given or compute_entropy or compute_aux_loss:
+            raise ValueError(f"anchor: 'old' scores text-only batches (TRL's old-log-prob forward was asked for "
+                             f"{', '.join(given) or 'entropies or the MoE aux loss'}); use anchor='rollout'")
+        r = self._pdmask_rollout
+        tk = None if r is None or r.topk_ids is None else _pad_time(r.topk_ids.to(input_ids.device), logits_to_keep, 0)
+        lp, topk = _old_policy.old_logprobs(self, model, input_ids, attention_mask, logits_to_keep, batch_size, tk)
+        self._pdmask_old_pending["topk"] = topk
+        return lp, None, None
+
     def _generate_and_score_completions(self, inputs):
         self._pdmask_rollout = None
-        with self._without_old_logps():
-            out = super()._generate_and_score_completions(inputs)
+        self._pdmask_old_pending = {} if self._pdmask_loss.anchored else None
+        try:
+            with self._without_old_logps():
+                out = super()._generate_and_score_completions(inputs)
+            old = self._pdmask_old_pending
+        finally:
+            self._pdmask_old_pending = None
         r = self._pdmask_rollout
         if r is None:
             raise RuntimeError("pdmask: no rollout was captured for this batch (custom generation path?)")
@@ -200,6 +234,11 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         if r.topk_ids is not None:
             out["topk_ids"] = _pad_time(r.topk_ids.to(dev), T, 0)
             out["topk_logprobs"] = _pad_time(r.topk_logprobs.to(dev, torch.float32), T, float("-inf"))
+        if old is not None:  # anchor="old": pi_old's log-probs travel with the batch as TRL's own do
+            if "old_per_token_logps" not in out or "topk" not in old:
+                raise RuntimeError("pdmask: anchor='old' but TRL ran no old-log-prob forward for this batch")
+            if old["topk"] is not None:
+                out["old_topk_logprobs"] = old["topk"].to(dev)
         return out
 
     # ------------------------------------------------------------ loss
@@ -254,20 +293,22 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         agg, divisor = self._aggregation(mode, comp.shape[0], inputs)
         rollout = Rollout(comp, inputs["sampled_logprob"], inputs.get("topk_ids"), inputs.get("topk_logprobs"), mask)
         adv, loss_fn = inputs["advantages"], self._pdmask_loss
+        anchor = None if not loss_fn.anchored else \
+            Anchor(inputs["old_per_token_logps"].float(), inputs.get("old_topk_logprobs"))
         if a.loss_from_hidden:
             T = comp.shape[1]
 
             def from_hidden(hidden, weight):  # runs inside the model's forward (hidden.py)
                 h = hidden[:, -(T + 1):-1, :]  # (B, T, H): position P-1+t predicts completion token t
-                return loss_fn(Hidden(h, weight.to(h.dtype)), rollout, adv, aggregation=agg)
+                return loss_fn(Hidden(h, weight.to(h.dtype)), rollout, adv, aggregation=agg, anchor=anchor)
 
             with self.accelerator.autocast():
                 res = self._nonfinite_named(model, **self._forward_inputs(inputs), pdmask_hidden_loss=from_hidden)
             aux_loss = None  # refused at init (hidden.check_head)
         else:
             logits, aux_loss = self._completion_logits(model, inputs)
-            res = self._nonfinite_named(loss_fn, logits, rollout, adv, aggregation=agg)
-        self._log_pdmask_metrics(mode, res, mask, inputs["advantages"])
+            res = self._nonfinite_named(loss_fn, logits, rollout, adv, aggregation=agg, anchor=anchor)
+        self._log_pdmask_metrics(mode, res, mask, inputs["advantages"], rollout, anchor)
         loss = res.loss / divisor
         if self.beta != 0.0:
             loss = loss + self._kl_term(mode, res.stats["logp"], inputs, mask, agg) / divisor
@@ -315,20 +356,40 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         ``logp`` is the loss's ``log pi`` of the sampled token (``softmax(logits / T)``, with its
         gradient; the config refuses ``beta`` with truncated sampling, where it would be
         renormalised). Every response token counts, masked ones included, as in TRL (its KL is
-        added after the policy term's masks). The bias correction's ratio is anchored on mu,
-        like every ratio here (TRL's on ``old_per_token_logps``, the same on the first pass
-        over a batch). Logged as TRL's ``kl`` (token mean over all processes)."""
+        added after the policy term's masks). The bias correction's ratio is anchored where the
+        region is: on mu (TRL's on ``old_per_token_logps``, the same on the first pass over a
+        batch), on TRL's ``old_per_token_logps`` with ``anchor="old"``, as TRL. Logged as TRL's ``kl`` (token mean over all processes)."""
         ref = inputs["ref_per_token_logps"].to(logp.dtype)
         d = ref - logp
         kl = torch.exp(d) - d - 1
-        if self.args.use_bias_correction_kl:
-            kl = kl * torch.exp(logp - inputs["sampled_logprob"].to(logp.dtype))
+        if self.args.use_bias_correction_kl:  # pi over the region's centre: mu, or TRL's pi_old (anchor="old")
+            centre = inputs["old_per_token_logps"] if self._pdmask_loss.anchored else inputs["sampled_logprob"]
+            kl = kl * torch.exp(logp - centre.to(logp.dtype))
         kl = torch.where(mask, kl, torch.zeros_like(kl))
         totals = self.accelerator.reduce(torch.stack([kl.detach().sum(), mask.sum().to(kl.dtype)]), reduction="sum")
         self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return aggregate(self.beta * kl, mask, agg, validate=False)
 
-    def _log_pdmask_metrics(self, mode: str, res, mask: torch.Tensor, advantages: torch.Tensor) -> None:
+    def _log_binding(self, res, valid: torch.Tensor, advantages: torch.Tensor, rollout: Rollout,
+                     anchor: Anchor | None) -> None:
+        """Where the region binds (:mod:`.binding`), training micro-steps only: by update index,
+        by the sign of A, and at the start of each generation batch. One gather over processes."""
+        a = self.args
+        u = _binding.update_index(self._step, a.gradient_accumulation_steps, a.steps_per_generation,
+                                  a.num_iterations)
+        sums, means = _binding.local_values(res, valid, advantages, self._pdmask_loss, rollout, anchor, u == 1,
+                                            self._pdmask_vocab)
+        names = list(sums) + list(means)
+        local = torch.stack([t.detach().float().reshape(()) for t in [*sums.values(), *means.values()]])
+        allv = self.accelerator.gather(local.to(self.accelerator.device)[None]).reshape(-1, len(names))
+        tot, avg = allv.sum(0).tolist(), allv.mean(0).tolist()
+        out = _binding.metrics(u, {k: tot[i] for i, k in enumerate(sums)},
+                               {k: avg[len(sums) + i] for i, k in enumerate(means)})
+        for k, v in out.items():
+            self._metrics["train"][f"pdmask/{k}"].append(v)
+
+    def _log_pdmask_metrics(self, mode: str, res, mask: torch.Tensor, advantages: torch.Tensor,
+                            rollout: Rollout | None = None, anchor: Anchor | None = None) -> None:
         """pdmask's metrics under ``pdmask/`` (counts summed over processes, the rest averaged), and
         TRL's own ``entropy`` and ``clip_ratio/*`` keys with the same reductions TRL uses
         (token-weighted over all processes; min / max over the gathered per-sequence values).
@@ -364,6 +425,8 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         per_seq = self.accelerator.gather(per_seq.T.contiguous().to(self.accelerator.device))  # (world * B, 2)
         self._metrics[mode]["clip_ratio/low_min"].append(nanmin(per_seq[:, 0]))
         self._metrics[mode]["clip_ratio/high_max"].append(nanmax(per_seq[:, 1]))
+        if mode == "train" and rollout is not None:
+            self._log_binding(res, valid, adv, rollout, anchor)
 
 
 class _WithPositions:
