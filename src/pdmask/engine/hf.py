@@ -193,35 +193,40 @@ def sample(
     )
 
 
-def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int):
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                    inputs_embeds: torch.Tensor | None = None):
     """Teacher-forced logits (B, T, V) at the response positions, in the model's dtype.
 
     One forward over ``sequences[:, :-1]``; the logit at position ``P - 1 + t`` predicts
     response token ``t``. ``logits_to_keep`` skips the LM head on prompt positions.
+    ``inputs_embeds`` (B, S - 1, H): what the forward starts from in place of the token
+    embeddings (a caller that skips the bottom blocks passes the hidden state above them:
+    :mod:`pdmask.train.frozen_prefix`); the attention mask and positions are the same.
     """
     T = sequences.shape[1] - prompt_len
     if T < 1:
         raise ValueError("sequences: no response positions after prompt_len")
     am = attention_mask[:, :-1]
-    out = model(input_ids=sequences[:, :-1], attention_mask=am.long(), position_ids=position_ids(am),
-                use_cache=False, logits_to_keep=T)
+    x = {"input_ids": sequences[:, :-1]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    out = model(**x, attention_mask=am.long(), position_ids=position_ids(am), use_cache=False, logits_to_keep=T)
     return out.logits  # (B, T, V)
 
 
-def response_hidden(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int):
+def response_hidden(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                    inputs_embeds: torch.Tensor | None = None):
     """Final hidden states (B, T, H) at the response positions: what the LM head multiplies.
 
     The forward of :func:`response_logits` without the head: the decoder
     (``model.get_decoder()``, after its final norm) over ``sequences[:, :-1]``, then the
     last T positions. Naive equivalent:
     ``response_logits(...) == response_hidden(...) @ model.get_output_embeddings().weight.T``
-    (for a head without bias or logit scaling)."""
+    (for a head without bias or logit scaling). ``inputs_embeds``: as in :func:`response_logits`."""
     T = sequences.shape[1] - prompt_len
     if T < 1:
         raise ValueError("sequences: no response positions after prompt_len")
     am = attention_mask[:, :-1]
-    out = model.get_decoder()(input_ids=sequences[:, :-1], attention_mask=am.long(), position_ids=position_ids(am),
-                              use_cache=False)
+    x = {"input_ids": sequences[:, :-1]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    out = model.get_decoder()(**x, attention_mask=am.long(), position_ids=position_ids(am), use_cache=False)
     return out.last_hidden_state[:, -T:]  # (B, T, H)
 
 

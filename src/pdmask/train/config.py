@@ -110,8 +110,8 @@ class TrainConfig:
     frozen_prefix_cache: str = _f("auto", "with train_blocks: the frozen blocks' hidden states are computed once per "
                                           "step (with anchor: old, in its forward) and the updates run the trained "
                                           "blocks only. auto: where that is bit for bit the plain forward (the first "
-                                          "epoch); true: in every epoch (later ones equal to float rounding); false: "
-                                          "never")
+                                          "epoch); always: in every epoch (later ones equal to float rounding); never: "
+                                          "the whole forward every time")
     # ---------------------------------------------------------------- the loss (docs/trainer.md)
     loss: Any = _f(None, "the policy loss, one pdmask.PolicyLoss: loss.mode, loss.estimator, loss.support, "
                          "loss.thresholds.*, loss.corrections.*, loss.sampling.* (the engine samples with it too), "
@@ -334,19 +334,19 @@ def _validate_trainable(cfg: TrainConfig) -> None:
 
 
 def _validate_prefix_cache(cfg: TrainConfig) -> None:
-    """``frozen_prefix_cache``: a choice; ``true`` (which asks for the cache in every epoch) only
+    """``frozen_prefix_cache``: a choice; ``always`` (which asks for the cache in every epoch) only
     where there is a frozen prefix to cache and the update reads it."""
     from .frozen_prefix import PREFIX_CACHE
 
     check_choice("frozen_prefix_cache", cfg.frozen_prefix_cache, PREFIX_CACHE)
-    if cfg.frozen_prefix_cache != "true":
+    if cfg.frozen_prefix_cache != "always":
         return
     if cfg.train_blocks < 1:
-        raise ValueError("frozen_prefix_cache: true needs train_blocks >= 1 (with every block trained, nothing below "
-                         "them is frozen); use auto or false")
+        raise ValueError("frozen_prefix_cache: always needs train_blocks >= 1 (with every block trained, nothing below "
+                         "them is frozen); use auto or never")
     if forward_for(cfg.loss.mode) is not None:
         raise ValueError(f"frozen_prefix_cache: mode {cfg.loss.mode!r} runs its own forward (its batch direction), "
-                         "which does not read the cache; use auto or false")
+                         "which does not read the cache; use auto or never")
 
 
 def _validate_loss(cfg: TrainConfig) -> None:

@@ -6,7 +6,8 @@ Per step::
     rollout   prompts x group_size -> engine.generate -> tokens, log mu_k, top-K of mu
     reward    rule-based reward of each decoded response
     advantage GRPO: r - mean(group) [/ std(group)]          (the three: rollout.rollout_step)
-    anchor    anchor: old only: one no-grad forward of the pre-update weights -> pi_old
+    anchor    anchor: old only: one no-grad forward of the pre-update weights -> pi_old;
+              with train_blocks, the frozen blocks' output is kept for the updates  (frozen_prefix.step_start)
     update    for each of `minibatches` slices (x epochs): one trainer forward ->
               cfg.loss (one pdmask.PolicyLoss) -> backward -> clip -> AdamW step
               (over the trainable parameters: all, top-N blocks or LoRA; trainable.py)
@@ -55,7 +56,8 @@ from .rundir import lock_run_dir, writing
 from .sft import ensure_sft_checkpoint, sft_info
 from .tasks import build_task, eval_rewards, get_reward
 from .trainable import apply_variant, engine_state_dict, trainable_parameters, variant
-from .anchoring import BindingLog, anchor_mismatch, old_anchor, region_warning
+from .anchoring import BindingLog, anchor_mismatch, region_warning
+from .frozen_prefix import step_start
 from .update import make_optimizer, select, update_step
 
 __all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
@@ -220,9 +222,8 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
             loss_metrics, grad_norms, first = [], [], None
             watched = []  # per mini-batch: loss, grad norm, weights finite? (finite.py: read with the step's sync)
             perms = [torch.randperm(n, generator=g).tolist() for _ in range(cfg.epochs)]
-            # --- anchor old: pi_old = these pre-update weights, one no-grad forward for every mini-batch
-            anchor = old_anchor(model, batch, adv, perms[0], mb, select, plens, rlens, cfg) \
-                if cfg.loss.anchored else None
+            # --- anchor old: pi_old, one no-grad forward for every mini-batch; the frozen blocks' output, once
+            anchor, prefix = step_start(model, batch, adv, perms[0], mb, select, plens, rlens, cfg, check=step == start)
             binds = BindingLog(cfg.minibatches)  # where the region binds, by mini-batch index
             for perm in perms:
                 for j in range(cfg.minibatches):
@@ -232,7 +233,8 @@ def _train(cfg: TrainConfig, *, resume: bool, console) -> dict:
                     # are then trusted and the hot path skips the host sync (loss.validate: always)
                     out, gn = update_step(model, opt, sub, adv[idx], cfg,
                                           validate=True if first is None and step == start else None,
-                                          anchor=None if anchor is None else anchor.rows(idx, sub))
+                                          anchor=None if anchor is None else anchor.rows(idx, sub),
+                                          prefix=None if prefix is None else prefix.rows(idx, sub, batch.prompt_len))
                     loss_metrics.append(out.metrics)
                     grad_norms.append(gn)
                     watched.append(watch(out.loss, gn, trained_parameters(opt)))

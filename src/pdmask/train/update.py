@@ -93,7 +93,7 @@ def select(batch: RolloutBatch, idx: list[int], prompt_lens: list[int], response
 
 def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: TrainConfig, *,
                  validate: bool | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 anchor=None) -> PolicyLossOutput:
+                 anchor=None, prefix=None) -> PolicyLossOutput:
     """The batch loss: one trainer forward, then :func:`pdmask.policy_loss`.
 
     Args:
@@ -111,6 +111,8 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
             batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
         anchor: pi_old's :class:`pdmask.Anchor` for this batch (``anchor: old``), else None.
+        prefix: this batch's cached frozen prefix (:class:`pdmask.train.frozen_prefix.PrefixRows`,
+            ``frozen_prefix_cache``): the forward runs the trained blocks only; None: the whole model.
 
     Returns :class:`pdmask.PolicyLossOutput` (``loss`` differentiable, ``metrics`` detached;
     the batch modes add the direction's diagnostics as ``batch_*`` metrics).
@@ -123,7 +125,7 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
         out = spec(logits, batch.rollout, adv, anchor=anchor, **extra)
         out.metrics.update(more)
         return out
-    return forward_loss(model, trainer_forward(model, batch, cfg), batch, adv, cfg, validate=spec.validate,
+    return forward_loss(model, trainer_forward(model, batch, cfg, prefix), batch, adv, cfg, validate=spec.validate,
                         anchor=anchor)
 
 
@@ -134,9 +136,12 @@ def loss_of(cfg: TrainConfig, validate: bool | None = None):
     return dataclasses.replace(cfg.loss, validate=validate)
 
 
-def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig) -> torch.Tensor:
+def trainer_forward(model, batch: RolloutBatch, cfg: TrainConfig, prefix=None) -> torch.Tensor:
     """The trainer forward the loss reads: (B, T, V) logits (``loss_from=logits``) or
-    (B, T, H) final hidden states (``loss_from=hidden``), at the response positions."""
+    (B, T, H) final hidden states (``loss_from=hidden``), at the response positions;
+    from the cached frozen prefix ``prefix`` when given (the same numbers, :mod:`.frozen_prefix`)."""
+    if prefix is not None:
+        return prefix.forward(model, batch, hidden=cfg.loss_from == "hidden")
     if cfg.loss_from == "hidden":
         return response_hidden(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, H)
     return response_logits(model, batch.sequences, batch.attention_mask, batch.prompt_len)  # (B, T, V)
@@ -177,14 +182,16 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 def update_step(model, optimizer: torch.optim.Optimizer, batch: RolloutBatch, advantages: torch.Tensor,
-                cfg: TrainConfig, *, validate: bool | None = None, anchor=None) -> tuple[PolicyLossOutput, torch.Tensor]:
+                cfg: TrainConfig, *, validate: bool | None = None, anchor=None,
+                prefix=None) -> tuple[PolicyLossOutput, torch.Tensor]:
     """One optimizer step on ``batch``: :func:`compute_loss` -> backward -> clip -> step.
 
     Gradients are clipped to ``cfg.grad_clip`` (global norm; ``<= 0``: no clipping, the
     norm is still measured). Returns the loss output (at the weights before the step)
     and the pre-clip gradient norm, a detached 0-dim tensor (no host sync).
     """
-    out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer, anchor=anchor)
+    out = compute_loss(model, batch, advantages, cfg, validate=validate, optimizer=optimizer, anchor=anchor,
+                       prefix=prefix)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     params = [p for g in optimizer.param_groups for p in g["params"]]  # the trained ones (frozen: no grad)
