@@ -64,8 +64,8 @@ def cell(tmp_path):
         run(root, "none", s, recs(finish=BROKE, evals=(0.3, 0.7, 0.9), ends=(1.0, 0.25, 0.0)))
         run(root, "dppo-topk-kl", s, recs(evals=(0.3, 0.5, 0.6)))
         old = (0.3, 0.35, 0.4) if s < 2 else (0.3, 0.5, 0.6)
-        run(root, "dppo-topk-kl@old", s, recs(evals=old, mb1=(0.0, 0.0), extra={1: {"anchor_divergence_q90": 0.5}}),
-            delta=0.041)
+        run(root, "dppo-topk-kl@old", s, recs(evals=old, mb1=(0.0, 0.0), extra={
+            1: {"anchor_divergence_q90": 0.5, "mu_region_out_frac_at_start": 0.25}}), delta=0.041)
     return root
 
 
@@ -89,6 +89,9 @@ def test_each_criterion_on_its_own_with_mcnemar_against_each_versus_label(cell):
     assert nl["k"] == 2 and nl["per_seed"] == {"0": 8, "1": 8, "2": None, "3": None}
     assert nl["vs"]["dppo-topk-kl"] == {"n": 4, "only_mode": 2, "only_versus": 0, "p": pytest.approx(0.5)}
     assert c["no_learning"]["dppo-topk-kl"]["k"] == 0  # not merged with the variant's seeds
+    # the anchors compared: a variant against its plain mode, nothing for a plain mode
+    assert nl["vs_base"] == {"n": 4, "only_mode": 2, "only_versus": 0, "p": pytest.approx(0.5), "base": "dppo-topk-kl"}
+    assert es["none"]["vs_base"] is None and es["dppo-topk-kl"]["vs_base"] is None
     assert c["accuracy"]["none"]["k"] == 0 and c["mismatch"]["none"]["k"] == 0
     assert c["entropy"]["none"]["k"] == 0  # entropy never fell
     lo, hi = es["dppo-topk-kl"]["lo"], es["dppo-topk-kl"]["hi"]
@@ -107,6 +110,17 @@ def test_final_accuracy_and_auc_paired_with_the_power_line(cell):
     assert sc["eval_auc"]["dppo-topk-kl"]["mean"]["estimate"] == pytest.approx((0.8 * 2 + 1.1 * 2) / 8)
     v = sc["eval_final"]["dppo-topk-kl@old"]["vs"]["dppo-topk-kl"]
     assert v["estimate"] == pytest.approx(-0.1) and (v["wins"], v["losses"]) == (0, 2)
+    b = sc["eval_final"]["dppo-topk-kl@old"]["vs_base"]
+    assert b["base"] == "dppo-topk-kl" and b["estimate"] == pytest.approx(-0.1) and b["seeds"] == [0, 1, 2, 3]
+
+
+def test_a_variant_without_its_plain_mode_has_no_anchor_pair(tmp_path):
+    root = tmp_path / "rung"
+    run(root, "none", 0, recs())
+    run(root, "pdm-topk-kl@old", 0, recs(), delta=0.041)
+    rep = sr.stale_report(root)
+    assert rep["scalars"]["eval_final"]["pdm-topk-kl@old"]["vs_base"] is None
+    assert rep["criteria"]["ending_sampled"]["pdm-topk-kl@old"]["vs_base"] is None
 
 
 def test_anchor_shares_are_pooled_over_tokens_and_quantiles_over_steps(cell):
@@ -168,7 +182,11 @@ def test_markdown_prints_every_criterion_its_definition_and_the_tests(cell):
     for c in STALE_CRITERIA:
         assert f"### `{c}`: {STALE_DEFINITIONS[c]}" in md and f"- `{c}`: {STALE_DEFINITIONS[c]}" in md
     assert "| `none` | 4/4 [0.40, 1.00] | s0 @5, s1 @5, s2 @5, s3 @5 | - | 4 vs 0 of 4, p = 0.125 |" in md
-    assert "+0.300 [+0.300, +0.300], 4 up / 0 down of 4, p = 0.125 | none |" in md
+    assert "+0.300 [+0.300, +0.300], 4 up / 0 down of 4, p = 0.125 | none | - | - |" in md
+    assert md.count("| 2 vs 0 of 4, p = 0.5 | 2 vs 0 of 4, p = 0.5 |") == 1  # no_learning: vs dppo, vs its plain mode
+    # token shares in percent (the at-start share too), distances as numbers
+    assert "| `dppo-topk-kl@old` | 25.00% [25.00%, 25.00%] | 400 |" in md  # logged on step 1 only: 4 x 100 tokens
+    assert "| `dppo-topk-kl@old` | 0.05 [0.05, 0.05] | 0.5 [0.5, 0.5] | - |" in md
 
 
 def test_answers_page_shows_one_seed_per_label_with_escaped_text(tmp_path):

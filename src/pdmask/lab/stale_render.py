@@ -53,14 +53,16 @@ def criteria_section(rep: dict) -> list[str]:
              "Each criterion on its own, never as a union (definitions below, fixed before the first run). "
              "Met: seeds that met it / seeds [95% Clopper-Pearson interval]; per seed the RL step it was first "
              "met at. Against a label: McNemar's exact test on the seeds both ran, `b vs c of n` with b the seeds "
-             "where only this label met it and c those where only the other did.", ""]
-    h = ["label", "met", "first step per seed"] + [f"vs {v} (McNemar)" for v in vs]
+             "where only this label met it and c those where only the other did. The last column pairs a "
+             "variant (`MODE@old`) with its plain mode: the anchors compared.", ""]
+    h = ["label", "met", "first step per seed"] + [f"vs {v} (McNemar)" for v in vs] + ["vs its plain mode"]
     for c, rows in rep["criteria"].items():
         body = []
         for lab, r in rows.items():
             per = ", ".join(f"s{s} @{st}" for s, st in r["per_seed"].items() if st is not None) or "-"
             body.append([f"`{lab}`", f"{r['k']}/{r['n']} [{r['lo']:.2f}, {r['hi']:.2f}]", per]
-                        + [_mcnemar_cell(r["vs"].get(v)) if v != lab else "-" for v in vs])
+                        + [_mcnemar_cell(r["vs"].get(v)) if v != lab else "-" for v in vs]
+                        + [_mcnemar_cell(r.get("vs_base"))])
         lines += [f"### `{c}`: {rep['definitions']['criteria'][c]}", "", _md(h, body), ""]
     lines += ["- McNemar's exact test needs at least 6 discordant seeds, all one way (6 vs 0: p = 0.031), to "
               "reach p < 0.05: with 8 paired seeds only a difference of at least 6 of 8 can.", ""]
@@ -82,16 +84,17 @@ def scalars_section(rep: dict) -> list[str]:
              "Mean over seeds [95% seed-bootstrap interval]. Against a label, on the seeds both ran: the mean "
              "per-seed difference [95% seed-bootstrap interval], seeds up / down, the exact two-sided sign-flip "
              "p, and the power line: the smallest mean difference these seeds detect with 80% power at "
-             "alpha = 0.05 (`detectable`).", ""]
+             "alpha = 0.05 (`detectable`). The last two columns pair a variant (`MODE@old`) with its plain "
+             "mode.", ""]
     h = ["label", "seeds", "mean"]
     for v in vs:
         h += [f"Δ vs {v}", "detectable"]
+    h += ["Δ vs its plain mode", "detectable"]
     for k, rows in rep["scalars"].items():
         body = []
         for lab, r in rows.items():
             row = [f"`{lab}`", str(len(r["seeds"])), _iv(r["mean"], ".3f")]
-            for v in vs:
-                d = r["vs"].get(v)
+            for d in [r["vs"].get(v) for v in vs] + [r.get("vs_base")]:
                 row += (["-", "-"] if d is None else
                         [f"{_iv(d, '.3f', sign=True)}, {d['wins']} up / {d['losses']} down of {d['n']}, "
                          f"{_p(d['p'])}", _det(d)])
@@ -102,7 +105,8 @@ def scalars_section(rep: dict) -> list[str]:
 
 
 def _share(key: str) -> bool:
-    return key.endswith("_frac") or key.startswith("masked_share")
+    """A token share (printed as a percentage), not a distance or a weight."""
+    return "_frac" in key or key.startswith("masked_share")
 
 
 def _anchor_cell(d: dict | None, key: str) -> str:
@@ -142,7 +146,7 @@ def anchor_section(rep: dict) -> list[str]:
                for lab in rep["labels"]}
         body = [[f"`{lab}`"] + [_anchor_cell(a[k].get(lab), k) for k in keys]
                 + ["-" if tok[lab] is None else f"{int(round(tok[lab])):,}"] for lab in rep["labels"]]
-        lines += [f"### {title}", "", _md(["label"] + [f"`{k}`" for k in keys] + ["tokens"], body), ""]
+        lines += [f"### {title}", "", _md(["label"] + [f"`{k}`" for k in keys] + ["tokens (first column)"], body), ""]
     return lines
 
 

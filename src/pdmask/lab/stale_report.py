@@ -147,10 +147,17 @@ def _mcnemar(mine: dict[int, bool], ref: dict[int, bool]) -> dict:
     return {"n": len(common), "only_mode": b, "only_versus": c, "p": mcnemar_exact(b, c)}
 
 
+def base_of(label: str, labels) -> str | None:
+    """A variant's plain mode (``dppo-topk-kl@old`` -> ``dppo-topk-kl``) when it is among
+    ``labels``, else None: the anchor comparison pairs each variant with it."""
+    base = label.partition("@")[0]
+    return base if "@" in label and base in labels else None
+
+
 def criteria_table(by: dict[str, dict[int, dict]], labels: list[str], versus) -> dict:
     """Per :data:`~pdmask.lab.regime.STALE_CRITERIA` criterion and label: the seeds that met it
     (seed -> first step, or None), k / n with the Clopper-Pearson interval, and McNemar's test
-    against each ``versus`` label present."""
+    against each ``versus`` label present and (``vs_base``) a variant against its plain mode."""
     from .regime import STALE_CRITERIA, judge_stale
     from .significance import clopper_pearson
 
@@ -166,7 +173,10 @@ def criteria_table(by: dict[str, dict[int, dict]], labels: list[str], versus) ->
             rows[lab] = {"k": k, "n": n, "lo": lo, "hi": hi,
                          "per_seed": {str(s): met[lab][s].get(c) for s in sorted(hit)},
                          "vs": {v: _mcnemar(hit, {s: c in m for s, m in met[v].items()})
-                                for v in versus if v in met and v != lab}}
+                                for v in versus if v in met and v != lab}, "vs_base": None}
+            base = base_of(lab, met)
+            if base:
+                rows[lab]["vs_base"] = _mcnemar(hit, {s: c in m for s, m in met[base].items()}) | {"base": base}
         out[c] = rows
     return out
 
@@ -180,11 +190,10 @@ def _boot_mean(values: list[float]) -> dict:
 
 def scalars_table(by: dict[str, dict[int, dict]], labels: list[str], versus) -> dict:
     """Per :data:`SCALARS` metric and label: the mean over seeds [seed-bootstrap interval] and,
-    against each ``versus`` label, the paired difference on the seeds both ran (interval,
-    exact sign-flip p, wins / losses) with the power line (``detectable``)."""
-    from .power import detectable_shift
+    against each ``versus`` label (and, ``vs_base``, a variant against its plain mode) the
+    paired difference on the seeds both ran (interval, exact sign-flip p, wins / losses) with
+    the power line (``detectable``)."""
     from .seed_summary import run_scalars
-    from .significance import paired_difference
 
     sc = {lab: {s: run_scalars(r["records"], sync_every=r["sync_every"]) for s, r in by[lab].items()}
           for lab in labels}
@@ -193,22 +202,30 @@ def scalars_table(by: dict[str, dict[int, dict]], labels: list[str], versus) -> 
         rows = {}
         for lab in labels:
             seeds = sorted(sc[lab])
-            row = {"mean": _boot_mean([sc[lab][s][k] for s in seeds]), "seeds": seeds, "vs": {}}
-            for v in versus:
-                if v not in sc or v == lab:
-                    continue
-                common = sorted(set(seeds) & set(sc[v]))
-                if not common:
-                    continue
-                x, y = [sc[lab][s][k] for s in common], [sc[v][s][k] for s in common]
-                d = paired_difference(x, y, n_boot=DEFAULT_N_BOOT).to_dict()
-                d["detectable"] = (detectable_shift([a - b for a, b in zip(x, y)]).to_dict()
-                                   if len(common) >= 2 else None)
-                d["seeds"] = common
-                row["vs"][v] = d
+            mine = {s: sc[lab][s][k] for s in seeds}
+            row = {"mean": _boot_mean(list(mine.values())), "seeds": seeds, "vs_base": None,
+                   "vs": {v: _paired(mine, {s: x[k] for s, x in sc[v].items()}) for v in versus
+                          if v in sc and v != lab and set(seeds) & set(sc[v])}}
+            base = base_of(lab, sc)
+            if base and set(seeds) & set(sc[base]):
+                row["vs_base"] = _paired(mine, {s: x[k] for s, x in sc[base].items()}) | {"base": base}
             rows[lab] = row
         out[k] = rows
     return out
+
+
+def _paired(x: dict[int, float], y: dict[int, float]) -> dict:
+    """``x - y`` paired on the seeds both have: :func:`pdmask.lab.significance.paired_difference`
+    with the power line (``detectable``, None with fewer than 2 seeds) and the ``seeds``."""
+    from .power import detectable_shift
+    from .significance import paired_difference
+
+    common = sorted(set(x) & set(y))
+    a, b = [x[s] for s in common], [y[s] for s in common]
+    d = paired_difference(a, b, n_boot=DEFAULT_N_BOOT).to_dict()
+    d["detectable"] = detectable_shift([u - v for u, v in zip(a, b)]).to_dict() if len(common) >= 2 else None
+    d["seeds"] = common
+    return d
 
 
 def _pooled(runs: dict[int, dict], key: str, weight: str | None) -> dict | None:
