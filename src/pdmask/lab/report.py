@@ -54,6 +54,27 @@ def mode_colors(labels) -> dict[str, str]:
     return out
 
 
+def has_delta(mode: str) -> bool:
+    """Whether ``mode``'s loss reads a δ: not ``none`` (no direction: it masks nothing, its
+    region only feeds the metrics) nor a ratio-clip mode (``grpo``: its region is epsilon).
+    A mode the registry does not know keeps its δ."""
+    from ..masks import get_mode
+
+    try:
+        m = get_mode(mode)
+    except (KeyError, ValueError):
+        return True
+    return m.direction is not None and m.surrogate != "ppo-clip"
+
+
+def legend_label(group: str) -> str:
+    """A group label (``"<mode>[@variant] δ=..."``, :func:`pdmask.lab.seed_summary.run_label`) as
+    a figure's legend shows it: without the δ of a mode that has none (``none``, ``grpo``).
+    The group label itself is kept (it keys the summaries)."""
+    label, sep, _ = group.partition(" δ=")
+    return label if sep and not has_delta(label.partition("@")[0]) else group
+
+
 def find_runs(paths: list[str | Path]) -> list[Path]:
     """Run directories under ``paths`` (a path may be a run or a directory of runs)."""
     out = []
@@ -119,7 +140,7 @@ def plot_runs(runs: list[Path], out_dir: str | Path) -> list[Path]:
                     steps = sorted(set().union(*curves))
                     mean = [sum(c[s] for c in curves if s in c) / sum(s in c for c in curves) for s in steps]
                     n = f" (mean of {len(curves)})" if len(curves) > 1 else ""
-                    a.plot(steps, mean, style, color=color, lw=2, label=f"{group}{suffix}{n}",
+                    a.plot(steps, mean, style, color=color, lw=2, label=f"{legend_label(group)}{suffix}{n}",
                            marker="o" if fname == "eval_accuracy" else None, ms=3)
             a.set_title(title + (f" (moving mean of {w})" if w > 1 else ""), fontsize=10)
             a.set_xlabel("RL step")
@@ -203,7 +224,7 @@ def plot_curve_bands(runs: list[Path], out_dir: str | Path) -> Path:
             if not b["steps"]:
                 continue
             color = colors[g]
-            ax.plot(b["steps"], b["mean"], "-", color=color, lw=1.8, label=f"{g} ({b['seeds']} seeds)")
+            ax.plot(b["steps"], b["mean"], "-", color=color, lw=1.8, label=f"{legend_label(g)} ({b['seeds']} seeds)")
             if b["seeds"] > 1:
                 ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.15, lw=0)
         ax.set_title(title + (f" (moving mean of {w})" if w > 1 else ""), fontsize=9)
@@ -239,7 +260,8 @@ def plot_eval_bands(runs: list[Path], out_dir: str | Path) -> Path:
         color = colors[g]
         if not b["steps"]:
             continue
-        ax.plot(b["steps"], b["mean"], "-o", color=color, lw=2, ms=3, label=f"{g} (mean of {b['seeds']} seeds)")
+        ax.plot(b["steps"], b["mean"], "-o", color=color, lw=2, ms=3,
+                label=f"{legend_label(g)} (mean of {b['seeds']} seeds)")
         if b["seeds"] > 1:
             ax.fill_between(b["steps"], b["lo"], b["hi"], color=color, alpha=0.2, lw=0)
     ax.set_title("Held-out greedy accuracy: mean over seeds, band = min–max over seeds", fontsize=10)
