@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,14 +194,49 @@ def _quiet_tqdm():
         gguf_utils.tqdm = old
 
 
+def lock_holder(path: Path) -> str:
+    """Who holds the ``flock`` on ``path``, in words: ``process <pid> (<its command line>)``
+    from ``/proc/locks`` (Linux), else what a pdmask holder wrote into the file, else
+    "another process"."""
+    try:
+        st = os.stat(path)
+        dev_ino = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if "FLOCK" in parts and "->" not in parts and parts[-3] == dev_ino:
+                pid = int(parts[-4])
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"process {pid} ({' '.join(cmd.split())[:160] or '?'})"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        written = " ".join(path.read_text().split())
+    except OSError:
+        written = ""
+    return f"process {written}" if written.startswith("pid ") else "another process"
+
+
 @contextlib.contextmanager
-def _lock(path: Path):
+def _lock(path: Path, console=None, what: str = "a conversion"):
+    """The conversion lock: taken at once when free; else one line says whom it waits for
+    (:func:`lock_holder`) and it waits. The holder writes its pid and command into the file."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: say so once, then wait (a conversion takes minutes)
+            line = f"waiting for {lock_holder(path)}, which is converting {what} (lock {path}) ..."
+            if console is not None:  # one line, as written (a command line holds brackets)
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                _say(None, line)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()}: {' '.join(sys.argv)[:160]}\n")
+            f.flush()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -222,7 +258,7 @@ def cached_conversion(gguf_file: str | os.PathLike, name: str, *, cache_dir=None
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cache_dir (PDMASK_CACHE): cannot create {str(root)!r} ({e.strerror or e})") from None
-    with _lock(root / f"{final.name}.lock"):
+    with _lock(root / f"{final.name}.lock", console, f"{gguf_file.name} into {final.name}"):
         # another process may have converted it while we waited
         if (final / SOURCE_FILE).is_file() and entry_problem(final) is None:
             return final
