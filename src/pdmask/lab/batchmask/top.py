@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call, jvp
 
+from ...train.frozen_prefix import split_block_call
 from .directional import math_attention, sampled_logprob
 
 
@@ -34,11 +35,7 @@ class TopCapture:
 
     def _hook(self, i):
         def hook(module, args, kwargs):
-            if args:
-                h, rest, key = args[0], args[1:], None
-            else:
-                h, rest, key = kwargs.get("hidden_states"), (), "hidden_states"
-            kw = {k: v for k, v in kwargs.items() if k != key}
+            h, rest, kw = split_block_call(args, kwargs)
             # only the first block's hidden state is kept; the later ones are recomputed
             self.calls[i] = (h.detach() if i == 0 and isinstance(h, torch.Tensor) else None, rest, kw)
 
