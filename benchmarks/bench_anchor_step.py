@@ -49,6 +49,8 @@ VARIANTS = {
     "rollout + cache, 2 epochs": ({"loss.anchor": "rollout", "frozen_prefix_cache": "always", "epochs": 2},
                                   "rollout, 2 epochs"),
 }
+#: a cached variant -> the same step without the cache (their losses are compared)
+UNCACHED = {"old + cache": "old", "rollout + cache": "rollout", "rollout + cache, 2 epochs": "rollout, 2 epochs"}
 SHORT = {"rollout": "rollout", "old": "old", "old-cache": "old + cache", "rollout-cache": "rollout + cache",
          "rollout-2ep": "rollout, 2 epochs", "rollout-cache-2ep": "rollout + cache, 2 epochs"}
 PHASES = ("start", "updates", "step")
@@ -83,8 +85,8 @@ def table(times: dict, base: dict[str, str], rollout_s: list[float]) -> str:
 
 
 # ------------------------------------------------------------------ one step of a variant
-def run_step(model, opt, cfg, ro, step: int) -> tuple[float, float]:
-    """(start s, updates s) of one trainer step on the rollout ``ro``, as ``grpo._train`` runs it."""
+def run_step(model, opt, cfg, ro, step: int) -> tuple[float, float, list[float]]:
+    """(start s, updates s, the losses) of one trainer step on the rollout ``ro``, as ``grpo._train`` runs it."""
     from pdmask.train.frozen_prefix import step_start
     from pdmask.train.grpo import rollout_seed
     from pdmask.train.update import select, update_step
@@ -99,6 +101,7 @@ def run_step(model, opt, cfg, ro, step: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     anchor, prefix = step_start(model, batch, adv, perms[0], mb, select, plens, rlens, cfg)
     t1 = time.perf_counter()
+    losses = []
     for perm in perms:
         for j in range(cfg.minibatches):
             idx = perm[j * mb:(j + 1) * mb]
@@ -106,8 +109,15 @@ def run_step(model, opt, cfg, ro, step: int) -> tuple[float, float]:
             out, _ = update_step(model, opt, sub, adv[idx], cfg,
                                  anchor=None if anchor is None else anchor.rows(idx, sub),
                                  prefix=None if prefix is None else prefix.rows(idx, sub, batch.prompt_len))
-            float(out.loss.detach())  # the step's host sync
-    return t1 - t0, time.perf_counter() - t1
+            losses.append(float(out.loss.detach()))  # the step's host sync
+    return t1 - t0, time.perf_counter() - t1, losses
+
+
+def loss_agreement(losses: dict[str, list[float]]) -> dict[str, float]:
+    """Cached variant -> the largest relative difference of its updates' losses from the uncached
+    variant's on the same rollout and state (0.0: the same bits)."""
+    return {k: max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[k], losses[u], strict=True))
+            for k, u in UNCACHED.items() if k in losses and u in losses}
 
 
 def measure(args) -> tuple[dict, dict, list, dict]:
@@ -136,7 +146,7 @@ def measure(args) -> tuple[dict, dict, list, dict]:
         opt.load_state_dict(copy.deepcopy(o0))
 
     times = {k: {p: [] for p in PHASES} for k in names}
-    rollout_s, tokens = [], []
+    rollout_s, tokens, losses = [], [], {}
     for r in range(args.rounds + 1):  # round 0 warms up (allocations, AdamW state), untimed
         step = args.step + r
         pidx = step_prompts(step, cfg, len(S.train_ids))
@@ -148,7 +158,9 @@ def measure(args) -> tuple[dict, dict, list, dict]:
         order = names[r % len(names):] + names[:r % len(names)]
         for k in order:
             restore()
-            s, u = run_step(model, opt, cfgs[k], ro, step)
+            s, u, ls = run_step(model, opt, cfgs[k], ro, step)
+            if r == 1:
+                losses[k] = ls
             if r:
                 for p, v in (("start", s), ("updates", u), ("step", t_ro + s + u)):
                     times[k][p].append(v)
@@ -162,7 +174,7 @@ def measure(args) -> tuple[dict, dict, list, dict]:
              "num_trainable_params": sum(p.numel() for p in trainable_parameters(model)),
              "num_blocks": model.config.num_hidden_layers, "train_blocks": cfg.train_blocks,
              "rollouts": args.prompts * args.group, "response_tokens": tokens,
-             "threads": torch.get_num_threads()}
+             "threads": torch.get_num_threads(), "loss_rel_diff_to_uncached": loss_agreement(losses)}
     return times, base, rollout_s, facts
 
 
@@ -202,6 +214,10 @@ def main(argv=None) -> dict:
           "baseline in the same round. `start` is `step_start` (the `anchor: old` forward, which also fills the "
           "cache), `updates` the mini-batch updates, `step` the rollout + start + updates.", "",
           table(times, base, rollout_s), "", f"Response tokens per round: {facts['response_tokens']}.", "",
+          "The cached variants' update losses against the same step without the cache (round 1, largest relative "
+          "difference; 0 is the same bits): " + (", ".join(f"{k} {v:.3g}" for k, v in
+                                                         facts["loss_rel_diff_to_uncached"].items()) or "none run")
+          + ".", "",
           one_line(env), ""]
     text = "\n".join(md)
     print("\n" + text)

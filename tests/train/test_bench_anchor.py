@@ -41,6 +41,15 @@ def test_one_round_on_the_smoke_preset(cache_dir, smoke_config, tmp_path):
     assert res["times"]["rollout"]["start"][0] < res["times"]["old"]["start"][0]  # no forward before the updates
     assert res["ratios"]["rollout"] == {"train": 1.0, "updates": 1.0, "step": 1.0}
     assert (tmp_path / "bench.md").read_text().count("\n| ") == 5 and (tmp_path / "bench.json").exists()
+    # the cache changes no bit of the losses (one epoch), and the record says so
+    assert res["loss_rel_diff_to_uncached"] == {"old + cache": 0.0, "rollout + cache": 0.0}
+    assert "old + cache 0, rollout + cache 0." in (tmp_path / "bench.md").read_text()
+
+
+def test_loss_agreement_pairs_each_cached_variant_with_its_uncached_step():
+    b = bench()
+    got = b.loss_agreement({"old": [2.0, -4.0], "old + cache": [2.0, -4.4], "rollout": [1.0]})
+    assert got == {"old + cache": pytest.approx(0.1)}
 
 
 def test_a_variant_without_its_baseline_is_refused():
