@@ -27,16 +27,17 @@ TOPK=${TOPK:-20}
 
 ARGS=(
     # verl's default trainer (TaskRunnerV1 + TransferQueue). The top-K arrays reach the actor inside
-    # each sample's extra_fields there; use_v1=false (the deprecated RayPPOTrainer) works too.
+    # each sample's extra_fields there; use_v1=false (the deprecated RayPPOTrainer) works too, in
+    # bypass mode only (it cannot carry pi_old's top-K to the update).
     trainer.use_v1=true
     algorithm.adv_estimator=grpo
     algorithm.use_kl_in_reward=false
-    # the top-K losses anchor on the rollout's own log-probs (the replica's arrays), so the actor's
-    # recomputation of old_log_probs is unused work: on the v1 trainer bypass mode only copies
-    # rollout_log_probs into old_log_probs (the legacy trainer also rewrites loss_mode in the
-    # driver's config, see docs/verl.md). For verl's rollout_is / rollout_rs corrections set
-    # bypass_mode=false instead: verl computes them only in decoupled mode (the plugin refuses
-    # them with bypass_mode=true)
+    # bypass mode: the region is centred on the rollout's own log-probs (mu, the replica's arrays)
+    # and verl skips the actor's recomputation of old_log_probs (on the v1 trainer it only copies
+    # rollout_log_probs into old_log_probs; the legacy trainer also rewrites loss_mode in the
+    # driver's config, see docs/verl.md). bypass_mode=false (decoupled mode) centres it on pi_old
+    # instead, mu entering only in the IS weight pi_old/mu, and is where verl's rollout_is /
+    # rollout_rs corrections run (the plugin refuses them with bypass_mode=true)
     algorithm.rollout_correction.bypass_mode=true
     data.train_files="$TRAIN"
     data.val_files="$VAL"

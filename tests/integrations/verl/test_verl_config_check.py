@@ -56,19 +56,34 @@ def test_refused_with_one_line_naming_the_key(loss_mode, extra, key):
     assert msg.startswith(f"{key}: ") and "\n" not in msg, msg
 
 
-def test_smooth_topk_loss_refuses_rollout_is_in_decoupled_mode():
-    """pdm-smooth-topk-* differentiate pi/mu against the rollout's mu: verl's IS weight against the
-    same mu would count the mismatch twice (the binary smooth modes take it, as a factor on each
-    token's loss, like the binary DPPO modes: their ratio's anchor is old_log_prob)."""
+def test_smooth_topk_loss_takes_rollout_is_in_decoupled_mode():
+    """Decoupled mode (v1 trainer) centres the top-K losses on pi_old: pdm-smooth-topk-*
+    differentiate pi/pi_old, and verl's IS weight pi_old/mu is the behaviour weight, counted once
+    (with the rollout anchor, bypass mode, rollout_is is refused for every loss: verl computes none)."""
     name = "pdmask_pdm_smooth_topk_kl"
     script = [o for o in script_overrides(LOSS_MODE=name) if not o.startswith(f"{RC}.bypass_mode")]
     decoupled = [f"{RC}.bypass_mode=false", f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0"]
-    with pytest.raises(ValueError) as e:
-        _check(script + decoupled)
-    assert str(e.value).startswith(f"{RC}.rollout_is: loss_mode={name} differentiates") and "\n" not in str(e.value)
+    _check(script + decoupled)
     _check(script + [f"{RC}.bypass_mode=false", f"{RC}.rollout_rs=seq_mean_k1", f"{RC}.rollout_rs_threshold=0.9_1.1"])
     binary = [o for o in script_overrides(LOSS_MODE="pdmask_drpo") if not o.startswith(f"{RC}.bypass_mode")]
     _check(binary + decoupled)
+
+
+@pytest.mark.parametrize("loss_mode", [TOPK, "pdmask_pdm_smooth_topk_tv", "pdmask_dppo_topk_kl"])
+def test_legacy_trainer_in_decoupled_mode_names_the_missing_hook(loss_mode):
+    """The legacy trainer drops every output of the old-log-prob pass but old_log_probs,
+    entropys, routed_experts and sum_pi_squared: pi_old's top-K cannot reach the update."""
+    script = [o for o in script_overrides(LOSS_MODE=loss_mode)
+              if not o.startswith((f"{RC}.bypass_mode", "trainer.use_v1"))]
+    with pytest.raises(ValueError) as e:
+        _check(script + [f"{RC}.bypass_mode=false", "trainer.use_v1=false"])
+    msg = str(e.value)
+    assert msg.startswith("trainer.use_v1: ") and "RayPPOTrainer._compute_old_log_prob" in msg and "\n" not in msg
+    _check(script + [f"{RC}.bypass_mode=true", "trainer.use_v1=false"])  # mu's region: nothing to carry
+    _check(script + [f"{RC}.bypass_mode=false", "trainer.use_v1=true"])
+    binary = [o for o in script_overrides(LOSS_MODE=BINARY) if not o.startswith((f"{RC}.bypass_mode",
+                                                                                  "trainer.use_v1"))]
+    _check(binary + [f"{RC}.bypass_mode=false", "trainer.use_v1=false"])  # old_log_prob is all they read
 
 
 def test_fused_kernels_pass_with_a_binary_loss():

@@ -51,7 +51,9 @@ def _rollout(seed: int) -> Rollout:
 
 
 def _config(loss_mode: str, *, use_v1: bool, extra=()):
-    script = [o for o in script_overrides(LOSS_MODE=loss_mode) if not o.startswith("trainer.use_v1=")]
+    mine = {o.split("=")[0] for o in extra}  # the extra overrides replace the script's
+    script = [o for o in script_overrides(LOSS_MODE=loss_mode)
+              if not o.startswith("trainer.use_v1=") and o.split("=")[0] not in mine]
     return compose_config(script + [
         f"trainer.use_v1={str(use_v1).lower()}",
         f"actor_rollout_ref.rollout.n={N}",
@@ -116,7 +118,7 @@ def _check_against_reference(r, adv, loss_mode, mode, estimator, metrics, eng, d
 
 
 # ------------------------------------------------------------------ v1 (TransferQueue)
-def _run_v1(monkeypatch, tmp_path, loss_mode, *, seed=1, strip_topk=False):
+def _run_v1(monkeypatch, tmp_path, loss_mode, *, seed=1, strip_topk=False, extra=(), after_old=None):
     import verl.trainer.ppo.v1.agent_loop_tq as agent_loop_tq
     from transfer_queue import KVBatchMeta
     from verl.trainer.distillation import is_distillation_enabled
@@ -127,7 +129,7 @@ def _run_v1(monkeypatch, tmp_path, loss_mode, *, seed=1, strip_topk=False):
 
     gloo_group(tmp_path)
     store = verl_tq.install(monkeypatch)
-    cfg = _config(loss_mode, use_v1=True)
+    cfg = _config(loss_mode, use_v1=True, extra=extra)
     r = _rollout(seed)
 
     # agent loop worker -> TransferQueue (AgentLoopWorkerTQ is a Ray actor class; its
@@ -153,6 +155,8 @@ def _run_v1(monkeypatch, tmp_path, loss_mode, *, seed=1, strip_topk=False):
     trainer.config, trainer.actor_rollout_wg = cfg, worker
     metrics: dict = {}
     batch = trainer._compute_old_log_prob(batch, metrics)
+    if after_old is not None:  # e.g. move the weights: the update's pi is then not the pass's pi_old
+        after_old(r)
     batch = trainer._compute_advantage(batch, metrics)
     adv = store.kv_batch_get(keys, "train", ["advantages"])["advantages"].to_padded_tensor(0.0).double()
     trainer._update_actor(batch, metrics)
@@ -236,3 +240,115 @@ def test_legacy_agent_loop_output_reaches_the_loss(monkeypatch, tmp_path):
     # the legacy hop: every extra_fields key becomes its own per-sample object array
     assert dp.non_tensor_batch["pdmask_topk_ids"].shape == (4,)
     _check_against_reference(r, adv, "pdmask_pdm_topk_kl", "pdm-topk-kl", "exact", metrics, eng, 0.05)
+
+
+# ------------------------------------------------------------------ decoupled mode: the pi_old anchor
+DECOUPLED = ("algorithm.rollout_correction.bypass_mode=false",)
+
+
+def _perturb(r):
+    """Move the weights after the old-log-prob pass (the optimizer's lr is 0): the update's pi
+    then differs from the pass's pi_old, as on any mini-batch after the first."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        r.model.E.add_(torch.randn(r.model.E.shape, generator=g, dtype=r.model.E.dtype) * 0.05)
+
+
+def _anchored_reference(r, old_model, adv, mode, *, delta, is_cap=5.0, response_mask=None, rows=slice(None)):
+    """``pdmask.PolicyLoss(anchor="old")`` on logits computed directly from the tiny model (pi) and
+    from its copy taken before the weights moved (pi_old, stored float32 as verl stores log-probs)."""
+    from verl_rollout import K, TEMP, response_logits
+
+    import pdmask
+
+    sub = Rollout(r.model, r.prompts[rows], r.responses[rows], r.fields[rows], adv[rows])
+    B, T = len(sub.prompts), sub.T
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    ids, rlp = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.float64)
+    tk, tl = torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K, dtype=torch.float64)
+    for b, f in enumerate(sub.fields):
+        n = len(sub.responses[b])
+        mask[b, :n] = True
+        ids[b, :n] = torch.as_tensor(f["pdmask_sampled_ids"])
+        rlp[b, :n] = torch.as_tensor(f["pdmask_sampled_logprobs"], dtype=torch.float32).double()
+        tk[b, :n] = torch.as_tensor(f["pdmask_topk_ids"])
+        tl[b, :n] = torch.as_tensor(f["pdmask_topk_logprobs"], dtype=torch.float32).double()
+    if response_mask is not None:
+        mask = mask & response_mask[rows, :T].bool()
+    t32 = float(torch.tensor(TEMP, dtype=torch.float32))  # verl scales the logits by a float32 temperature
+    rollout = pdmask.Rollout(ids, rlp, tk, tl, mask)
+    with torch.no_grad():
+        lq = torch.log_softmax(response_logits(sub, old_model) / t32, -1)
+    anchor = pdmask.Anchor(lq.gather(-1, ids[..., None])[..., 0].float().double(), lq.gather(-1, tk).float().double())
+    spec = pdmask.PolicyLoss(mode=mode, thresholds=pdmask.Thresholds(delta, delta), anchor="old",
+                             corrections=pdmask.Corrections(is_cap=is_cap), sampling=pdmask.Sampling(temperature=t32))
+    return spec(response_logits(sub), rollout, adv[rows, :T], anchor=anchor), anchor
+
+
+@pytest.mark.parametrize("loss_mode,mode", [("pdmask_pdm_topk_kl", "pdm-topk-kl"),
+                                            ("pdmask_pdm_smooth_topk_tv", "pdm-smooth-topk-tv")])
+def test_v1_decoupled_mode_centres_the_topk_region_on_pi_old(monkeypatch, tmp_path, loss_mode, mode):
+    """bypass_mode=false, v1 trainer: the pdmask engine scores pi_old's top-K in verl's own
+    old-log-prob pass, verl carries it through TransferQueue to the update, and the loss is the
+    core's anchored loss: region and ratio against pi_old, mu only in min(pi_old / mu, C)."""
+    import copy
+
+    snap = {}
+    r, adv, metrics, eng, store = _run_v1(
+        monkeypatch, tmp_path, loss_mode, extra=DECOUPLED,
+        after_old=lambda r: (snap.setdefault("old", copy.deepcopy(r.model)), _perturb(r)))
+    keys = [f"prompt{b // N}_{b % N}_0" for b in range(4)]
+    fields = store.kv_batch_get(keys, "train")
+    assert "pdmask_old_topk_0" in fields.keys() and f"pdmask_old_topk_{r.fields[0]['pdmask_topk_ids'].shape[-1]}" \
+        not in fields.keys()
+    ref, anchor = _anchored_reference(r, snap["old"], adv, mode, delta=0.05)
+    # the carried pi_old is the pass's (before the weights moved), at the engine's top-K ids
+    got = fields["pdmask_old_topk_1"]
+    for b in range(4):
+        P, n = len(r.prompts[b]), len(r.responses[b])
+        vals = got[b][P - 1:P - 1 + n].double()
+        torch.testing.assert_close(vals, anchor.topk_logprobs[b, :n, 1], rtol=0, atol=1e-6)
+    ref_grads = torch.autograd.grad(ref.loss, [r.model.E, r.model.Pe])
+    for g, rg in zip(_grads(eng), ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-8)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(ref.loss.detach()), rel=1e-5)
+    # the two anchors differ on this batch: mu's region would give another loss
+    mu_ref = reference(r, adv, mode, "exact", delta_low=0.05, delta_high=0.05, loss_agg="token-mean")
+    assert float(mu_ref.loss) != pytest.approx(float(ref.loss), rel=1e-3)
+    # anchored and where-it-binds metrics, averaged over the two micro-batches as verl averages
+    per = [_anchored_reference(r, snap["old"], adv, mode, delta=0.05, rows=slice(lo, lo + MICRO))[0].metrics
+           for lo in range(0, 4, MICRO)]
+    for k in ("behaviour_weight_mean", "behaviour_abs_log_ratio_mean", "anchor_divergence_mean",
+              "anchor_out_of_region_frac", "out_of_region_frac", "masked_frac"):
+        want = float(np.mean([float(m[k]) for m in per]))
+        assert metrics[f"actor/pdmask/{k}"] == pytest.approx(want, rel=1e-4, abs=1e-6), k
+    assert float(per[0]["behaviour_abs_log_ratio_mean"]) > 0.05  # pi_old / mu != 1: the weight acts
+    # one mini-batch: update index 1, the step's start (pi moved only by the test's perturbation)
+    assert metrics["actor/pdmask/mb1_masked_frac"] == pytest.approx(metrics["actor/pdmask/masked_frac"])
+    assert metrics["actor/pdmask/start_divergence_mean"] == pytest.approx(
+        metrics["actor/pdmask/anchor_divergence_mean"])
+    assert "actor/pdmask/mb2_masked_frac" not in metrics
+
+
+def test_v1_decoupled_mode_takes_verls_rollout_is_weights(monkeypatch, tmp_path):
+    """rollout_is=token: verl's weight min(pi_old / mu, 2), computed on the driver from the same
+    pi_old and mu, is the behaviour weight of the anchored top-K loss."""
+    import copy
+
+    snap = {}
+    extra = DECOUPLED + ("algorithm.rollout_correction.rollout_is=token",
+                         "algorithm.rollout_correction.rollout_is_threshold=2.0")
+    r, adv, metrics, eng, store = _run_v1(
+        monkeypatch, tmp_path, "pdmask_pdm_topk_kl", extra=extra,
+        after_old=lambda r: snap.setdefault("old", copy.deepcopy(r.model)))
+    # no weight moved: pi = pi_old, so min(pi / pi_old, 5) = 1 and the only weight is verl's
+    ref, _ = _anchored_reference(r, snap["old"], adv, "pdm-topk-kl", delta=0.05, is_cap=2.0)
+    ref_grads = torch.autograd.grad(ref.loss, [r.model.E, r.model.Pe])
+    for g, rg in zip(_grads(eng), ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-8)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(ref.loss.detach()), rel=1e-5)
+    # verl's weights are the behaviour weight, and its threshold bites (the cap of 5 would give another loss)
+    w = store.kv_batch_get([f"prompt{b // N}_{b % N}_0" for b in range(4)], "train")["rollout_is_weights"].values()
+    assert bool((w == 2.0).any()) and float(w.min()) < 1.0
+    uncapped, _ = _anchored_reference(r, snap["old"], adv, "pdm-topk-kl", delta=0.05, is_cap=5.0)
+    assert float(uncapped.loss) != pytest.approx(float(ref.loss), rel=1e-4)

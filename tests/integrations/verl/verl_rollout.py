@@ -78,17 +78,24 @@ def build(seed=0, *, prompt_lens=(3, 2, 4), resp_lens=(5, 3, 6), mode_shift=1.5)
     return Rollout(model, prompts, responses, fields, adv)
 
 
-def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact", response_mask=None, **kw):
-    """``pdmask.policy_loss`` on (B, T, V) logits computed directly from the tiny model
-    (``response_mask``: another (B, T) mask in place of the responses' own)."""
+def response_logits(r: Rollout, model: TinyLM | None = None) -> torch.Tensor:
+    """(B, T, V) logits of ``model`` (default ``r.model``) predicting each response token, 0 on padding."""
+    m = r.model if model is None else model
     B, T = len(r.prompts), r.T
     rows = []
     for b in range(B):
         seq = r.prompts[b] + r.responses[b]
         idx = torch.arange(len(r.prompts[b]) - 1, len(seq) - 1)
-        z = r.model.E[torch.tensor(seq)[idx]] + r.model.Pe[idx]
+        z = m.E[torch.tensor(seq)[idx]] + m.Pe[idx]
         rows.append(torch.nn.functional.pad(z, (0, 0, 0, T - len(idx))))
-    logits = torch.stack(rows)
+    return torch.stack(rows)
+
+
+def reference(r: Rollout, adv: torch.Tensor, mode: str, estimator: str = "exact", response_mask=None, **kw):
+    """``pdmask.policy_loss`` on (B, T, V) logits computed directly from the tiny model
+    (``response_mask``: another (B, T) mask in place of the responses' own)."""
+    B, T = len(r.prompts), r.T
+    logits = response_logits(r)
     mask = torch.zeros(B, T, dtype=torch.bool)
     ids = torch.zeros(B, T, dtype=torch.long)
     rlp = torch.zeros(B, T, dtype=torch.float32)

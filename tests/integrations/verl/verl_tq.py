@@ -15,7 +15,8 @@ drops only the actors and sockets:
   own ``StorageUnitData``;
 - get: ``StorageUnitData.get_data``, the response through the same codec, the columns
   re-packed by ``AsyncSimpleStorageManager._pack_field_values`` (nested jagged tensors for
-  ragged tensor columns, ``NonTensorStack`` for everything else).
+  ragged tensor columns, ``NonTensorStack`` for everything else);
+- a worker's output (decoupled mode's old-log-prob pass): the bridge's ``async_put``, as a put.
 
 The object stands in for the ``transfer_queue`` module (``tq``) in the verl modules that
 import it, and for the client ``tq.get_client()`` returns.
@@ -48,6 +49,20 @@ class _Meta:
 
     def select_fields(self, fields: list[str]) -> "_Meta":
         return _Meta(self.keys, self.partition_id, list(fields), copy.deepcopy(self.extra_info))
+
+    # what verl's bridge reads of the BatchMeta an output put returns (batch_meta2kv_batch_meta);
+    # the stand-in's global indexes are the keys themselves (async_kv_retrieve_keys)
+    @property
+    def partition_ids(self) -> list[str]:
+        return [self.partition_id] * len(self.keys)
+
+    @property
+    def global_indexes(self) -> list[str]:
+        return list(self.keys)
+
+    @property
+    def field_names(self) -> list[str] | None:
+        return self.fields
 
 
 class InProcessTQ:
@@ -133,6 +148,14 @@ class InProcessTQ:
 
     async def async_get_data(self, meta: _Meta) -> TensorDict:
         return self._get(meta.keys, meta.partition_id, meta.fields)
+
+    async def async_put(self, data: TensorDict, metadata: _Meta) -> _Meta:
+        """A worker's output written back (``tqbridge``: every tensor field of the TensorDict)."""
+        names = self._put(metadata.keys, metadata.partition_id, data)
+        return _Meta(list(metadata.keys), metadata.partition_id, names)
+
+    async def async_kv_retrieve_keys(self, global_indexes, partition_id) -> list[str]:
+        return list(global_indexes)
 
 
 def install(monkeypatch) -> InProcessTQ:

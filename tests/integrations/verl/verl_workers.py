@@ -82,6 +82,12 @@ def actor_stack(monkeypatch, cfg, model):
     engine_cfg.use_dynamic_bsz = actor_cfg.use_dynamic_bsz
     engine_cfg.micro_batch_size_per_gpu = actor_cfg.ppo_micro_batch_size_per_gpu
     engine_cfg.max_token_len_per_gpu = actor_cfg.ppo_max_token_len_per_gpu
+    # the old-log-prob pass (decoupled mode): the rollout's log-prob batch sizes, as init_model sets
+    # them (the test configs leave log_prob_micro_batch_size_per_gpu unset: the update's size)
+    ro = cfg.actor_rollout_ref.rollout
+    engine_cfg.infer_micro_batch_size_per_gpu = ro.log_prob_micro_batch_size_per_gpu or \
+        actor_cfg.ppo_micro_batch_size_per_gpu
+    engine_cfg.infer_max_token_len_per_gpu = ro.log_prob_max_token_len_per_gpu
     use_rmpad = bool(cfg.actor_rollout_ref.model.use_remove_padding)
 
     eng = object.__new__(engine_cls)
@@ -97,6 +103,9 @@ def actor_stack(monkeypatch, cfg, model):
     eng.ulysses_device_mesh = eng.ulysses_parallel_group = None
     eng.pad_to_length = None
     eng.mode = None
+    import verl.utils.torch_functional as verl_F
+
+    eng.compute_entropy_from_logits = verl_F.entropy_from_logits  # __init__'s, without torch.compile
 
     actor = object.__new__(ew.TrainingWorker)
     actor.engine = eng

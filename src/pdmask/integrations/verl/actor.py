@@ -22,8 +22,16 @@ top-K and wraps the loss function in :class:`PdmaskLossFunction`, which
    ``ppo_loss`` inside :func:`.losses.rollout_stats`, so the registered pdmask loss
    sees them; entropy/KL terms, metrics and aggregation stay verl's.
 
-Micro-batches without the rollout top-K (reference and old-log-prob passes, validation)
-go through the stock engine unchanged.
+Decoupled mode (``algorithm.rollout_correction.bypass_mode=false``, v1 trainer): the
+old-log-prob pass (``compute_log_prob``, no loss function, ``calculate_entropy`` set) of a
+batch that carries the rollout top-K gets the same hook with :class:`OldPolicyCapture`, which
+stores pi_old's log-probs at the sampled ids and at the engine's top-K ids as per-row outputs
+(``pdmask_old_sampled_logprob``, ``pdmask_old_topk_<j>``: the hook takes one (rows,) tensor
+per key). verl writes every output of that pass to TransferQueue, so they reach the training
+micro-batches of the same samples, where :func:`logits_to_stats` measures the statistics
+against pi_old (:class:`pdmask.Anchor`) and ships mu's log-prob and ``D(mu, pi_old)`` with
+them (:func:`.losses.topk_stats`). Other micro-batches without a loss function (reference
+pass, validation) go through the stock engine unchanged.
 """
 
 from __future__ import annotations
@@ -33,14 +41,20 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ...anchor import Anchor, anchor_distance
 from ...rollout import Rollout
 from ...stats import token_stats
-from .losses import SHIPPED, engine_without_topk, rollout_stats
+from .losses import ANCHOR_DISTANCES, SHIPPED, engine_without_topk, rollout_stats
 from .rollout import EXTRA_KEYS
 
 MODEL_TYPE = "pdmask_language_model"
 #: model_output keys the logits processor adds (prefixed to avoid clashes).
 OUT_PREFIX = "pdmask_"
+#: the old-log-prob pass's outputs (decoupled mode): pi_old at the sampled ids, and at top-K id j
+OLD_SAMPLED = "pdmask_old_sampled_logprob"
+OLD_TOPK = "pdmask_old_topk_"
+#: elements of one float32 (rows, V) block of the old-log-prob pass's log-softmax
+CHUNK_ELEMENTS = 1 << 24
 
 
 #: Non-tensor key under which verl's v1 trainer carries each sample's ``extra_fields`` dict.
@@ -167,15 +181,9 @@ def _sp_slice(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True) -> dict[str, torch.Tensor]:
-    """The logits processor: (1, rows, V) temperature-scaled logits -> dict of (1, rows) stats.
-
-    Rows are this rank's packed positions (prompt and response tokens of every sample);
-    statistics are computed on response rows and are 0 elsewhere. The logits are
-    detached: the gradient flows through verl's own ``log_probs``, the statistics only
-    decide the mask.
-    """
-    logits = student_logits.squeeze(0).detach()  # (rows, V)
+def _local_rollout(logits: torch.Tensor, data, validate: bool) -> tuple[dict, Rollout, torch.Tensor]:
+    """This rank's packed rollout arrays, checked against the logits rows and the batch's
+    tokens, as ``(arrays, the (1, rows) Rollout of mu, valid (rows,))``."""
     packed = pack_rollout_topk(data)
     input_ids = data["input_ids"]
     next_ids = torch.roll(input_ids.values(), shifts=-1, dims=0)  # the token each row predicts
@@ -194,13 +202,72 @@ def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True
     rollout = Rollout(sampled_ids=local["next_ids"][None].to(dev), sampled_logprob=local["sampled_logprob"][None].to(dev),
                       topk_ids=local["topk_ids"][None].to(dev), topk_logprobs=local["topk_logprobs"][None].to(dev),
                       response_mask=valid[None])
+    return local, rollout, valid
+
+
+def old_topk_count(data) -> int:
+    """K of the pi_old top-K outputs a micro-batch carries (0: none, the rollout anchor)."""
+    k = 0
+    while f"{OLD_TOPK}{k}" in data.keys():
+        k += 1
+    return k
+
+
+def _old_anchor(data, K: int, dev) -> Anchor:
+    """pi_old's (1, rows) log-probs from the old-log-prob pass's outputs in the micro-batch
+    (nested per sample over prompt + response, packed in the order of the logits rows)."""
+    def packed(key):
+        return _sp_slice(data[key].values().to(dev).float())
+
+    return Anchor(packed(OLD_SAMPLED)[None], torch.stack([packed(f"{OLD_TOPK}{j}") for j in range(K)], -1)[None])
+
+
+def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True) -> dict[str, torch.Tensor]:
+    """The logits processor: (1, rows, V) temperature-scaled logits -> dict of (1, rows) stats.
+
+    Rows are this rank's packed positions (prompt and response tokens of every sample);
+    statistics are computed on response rows and are 0 elsewhere. The logits are
+    detached: the gradient flows through verl's own ``log_probs``, the statistics only
+    decide the mask. When the micro-batch carries pi_old's top-K (decoupled mode) the
+    statistics are against pi_old, and ``D(mu, pi_old)`` is shipped too
+    (:data:`.losses.ANCHOR_DISTANCES`); ``sampled_logprob`` is always mu's.
+    """
+    logits = student_logits.squeeze(0).detach()  # (rows, V)
+    _, rollout, valid = _local_rollout(logits, data, validate)
+    K = old_topk_count(data)
+    anchored = rollout
+    if K:
+        if K != rollout.topk_ids.shape[-1]:
+            raise ValueError(f"{OLD_TOPK}*: pi_old's top-K has {K} columns, the rollout's {rollout.topk_ids.shape[-1]}")
+        anchored = _old_anchor(data, K, logits.device).rollout_for(rollout)
     # the logits arrive temperature-scaled: the statistics are those at temperature 1
-    st = token_stats(logits[None], rollout, validate=validate)
+    st = token_stats(logits[None], anchored, validate=validate)
+    shipped = {k: st[k] for k in SHIPPED}
+    shipped["sampled_logprob"] = rollout.sampled_logprob  # mu: the behaviour side of an anchored loss
+    for name, div in ANCHOR_DISTANCES.items() if K else ():  # the loss mode is not known here: both
+        shipped[name] = anchor_distance(div, anchored, rollout, valid[None], logits.shape[-1])
     out = {}
-    for k in SHIPPED:  # each Ddot computed here (the loss mode is not known to the hook)
-        v = st[k]
-        v = torch.where(valid[None], v.to(torch.float32), torch.zeros_like(v, dtype=torch.float32))
-        out[OUT_PREFIX + k] = v
+    for k, v in shipped.items():  # each Ddot computed here (the loss mode is not known to the hook)
+        out[OUT_PREFIX + k] = torch.where(valid[None], v.to(torch.float32), torch.zeros_like(v, dtype=torch.float32))
+    return out
+
+
+def logits_to_old_policy(student_logits: torch.Tensor, data, *, validate: bool = True) -> dict[str, torch.Tensor]:
+    """The old-log-prob pass's logits processor: pi_old's (1, rows) log-probs at the sampled
+    ids (:data:`OLD_SAMPLED`) and at each of the engine's top-K ids (:data:`OLD_TOPK` + j), 0
+    on rows that predict no response token. Naive torch (``z`` the temperature-scaled logits):
+    ``lq = log_softmax(z, -1); lq.gather(-1, next_ids[:, None]), lq.gather(-1, topk_ids)``."""
+    logits = student_logits.squeeze(0).detach()
+    _, rollout, valid = _local_rollout(logits, data, validate)
+    rows = max(1, CHUNK_ELEMENTS // logits.shape[-1])  # a float32 (rows, V) block at a time, not all rows
+    parts = [Anchor.from_logits(logits[None, s:s + rows], rollout[:, s:s + rows], temperature=1.0)  # T applied
+             for s in range(0, logits.shape[0], rows)]
+    lp = torch.cat([a.sampled_logprob for a in parts], 1).float()
+    tk = torch.cat([a.topk_logprobs for a in parts], 1).float()
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    out = {OLD_SAMPLED: torch.where(valid[None], lp, zero)}
+    for j in range(tk.shape[-1]):
+        out[f"{OLD_TOPK}{j}"] = torch.where(valid[None], tk[..., j], zero)
     return out
 
 
@@ -222,14 +289,28 @@ class PdmaskLossFunction:
         from verl.workers.utils.padding import no_padding_2_padding
 
         stats = {}
-        for k in SHIPPED:
+        for k in SHIPPED + tuple(ANCHOR_DISTANCES):
             v = model_output.pop(OUT_PREFIX + k, None)
+            if v is None and k in ANCHOR_DISTANCES:
+                continue  # the rollout anchor: no pi_old in the micro-batch
             if v is None:
                 raise ValueError(f"model_output: {OUT_PREFIX + k!r} missing (logits processor did not run; "
                                  "use_fused_kernels must be false)")
             stats[k] = no_padding_2_padding(v, data)  # (B, T), same alignment as log_probs
         with rollout_stats(stats):
             return self.inner(model_output=model_output, data=data, dp_group=dp_group, **kwargs)
+
+
+class OldPolicyCapture:
+    """The "loss function" of a decoupled-mode old-log-prob pass (verl passes none there): as
+    the logits processor, :func:`logits_to_old_policy`; as the loss, a 0 with no metrics (the
+    pass computes no loss: ``compute_loss=False``)."""
+
+    def __call__(self, model_output: dict | None = None, data=None, dp_group=None,
+                 student_logits: torch.Tensor | None = None, **kwargs) -> Any:
+        if student_logits is not None:
+            return logits_to_old_policy(student_logits, data)
+        return torch.zeros(()), {}
 
 
 class NoTopKLossFunction:

@@ -19,9 +19,12 @@ this module refuses it with one line naming the key, instead of letting verl dro
   over the kept set, verl's differentiable ``log_prob`` is not, and a
   registered loss cannot change that (the core's truncated-sampling correction needs the
   logits' gradient path).
-- ``algorithm.rollout_correction.rollout_is`` with a smooth top-K loss
-  (``pdmask_pdm_smooth_topk_*``): its ratio pi/mu against the rollout's mu already is the
-  token IS weight, and verl's weight against the same mu would count it twice.
+- a top-K loss in decoupled mode (``bypass_mode=false``) with the legacy trainer
+  (``trainer.use_v1=false``): the region is then centred on pi_old, whose top-K the pdmask
+  engine computes in the old-log-prob pass, but ``RayPPOTrainer._compute_old_log_prob``
+  keeps only ``old_log_probs`` / ``entropys`` / ``routed_experts`` / ``sum_pi_squared`` of
+  that pass's output: no hook carries pi_old's top-K to the update (the v1 trainer writes
+  every output of the pass to TransferQueue, which does).
 - ``actor_rollout_ref.model.use_fused_kernels=true`` with a top-K loss: the fused forward
   returns log-probs and entropy computed from the hidden states inside the model
   (``FusedLinearForPPO``); no logits and no hidden states reach any hook (docs/verl.md).
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...masks import SMOOTH_SURROGATES, get_mode
 from .losses import BINARY_MODES, registered_names
 
 
@@ -76,27 +78,30 @@ def check_config(config: Any) -> None:
                     f"it expects its own bypass_mode loss), so with loss_mode={loss_mode} it would not be applied; "
                     f"set {rc}.bypass_mode=false (the pdmask losses take verl's IS weights and rejection mask) or "
                     f"{key}=null")
-    if (mode not in BINARY_MODES and get_mode(mode).surrogate in SMOOTH_SURROGATES
-            and _get(config, f"{rc}.rollout_is") is not None):
+    if mode not in BINARY_MODES and not _get(config, f"{rc}.bypass_mode", False) \
+            and not _get(config, "trainer.use_v1", True):
         raise ValueError(
-            f"{rc}.rollout_is: loss_mode={loss_mode} differentiates its ratio pi/mu against the rollout's mu, which "
-            "already is the token IS weight; verl's weight against the same mu would count it twice; set "
-            f"{rc}.rollout_is=null (rollout_rs rejection still applies)")
+            f"trainer.use_v1: loss_mode={loss_mode} in decoupled mode ({rc}.bypass_mode=false) centres the region on "
+            "pi_old, whose top-K the pdmask engine computes in the old-log-prob pass, but the legacy trainer's "
+            "RayPPOTrainer._compute_old_log_prob keeps only old_log_probs, entropys, routed_experts and "
+            "sum_pi_squared of that pass: verl 0.9.1 has no hook that carries pi_old's top-K to the update; set "
+            f"trainer.use_v1=true, or {rc}.bypass_mode=true to centre the region on the rollout's mu")
     if _has(config, "actor_rollout_ref.actor.policy_loss.rollout_correction"):
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.rollout_correction: read only by verl's bypass_mode loss, not by "
             f"loss_mode={loss_mode}; configure {rc} (with bypass_mode=false) instead")
-    # the top-K modes always anchor on the rollout's mu; the binary modes only in bypass mode
+    # the top-K modes anchor on the rollout's mu (bypass mode) or read mu in pi_old / mu
+    # (decoupled mode); the binary modes read mu only in bypass mode
     if mode not in BINARY_MODES or _get(config, f"{rc}.bypass_mode", False):
         ro = "actor_rollout_ref.rollout"
         top_k, top_p = _get(config, f"{ro}.top_k", -1), _get(config, f"{ro}.top_p", 1.0)
         if (top_k not in (-1, 0) and top_k is not None) or (top_p is not None and float(top_p) < 1.0):
             key = f"{ro}.top_k" if top_k not in (-1, 0, None) else f"{ro}.top_p"
             raise ValueError(
-                f"{key}: truncated sampling is not supported with loss_mode={loss_mode} anchored on the rollout in "
-                "verl: the rollout's mu is renormalised over the kept tokens while the log-prob verl differentiates "
-                "spans the vocabulary, and a registered loss cannot renormalise it; sample with top_k=-1 and top_p=1 "
-                "(verl's defaults)")
+                f"{key}: truncated sampling is not supported with loss_mode={loss_mode} reading the rollout's mu in "
+                "verl: mu is renormalised over the kept tokens while the log-prob verl differentiates (and pi_old) "
+                "span the vocabulary, and a registered loss cannot renormalise them; sample with top_k=-1 and "
+                "top_p=1 (verl's defaults)")
     if mode not in BINARY_MODES and _get(config, "actor_rollout_ref.model.use_fused_kernels", False):
         raise ValueError(
             f"actor_rollout_ref.model.use_fused_kernels: loss_mode={loss_mode} needs the logits, which verl's fused "

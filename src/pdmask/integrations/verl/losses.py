@@ -66,6 +66,9 @@ TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv", "pdm
 #: Per-token statistics the actor hook hands the top-K losses (all (B, T)): ``log mu_k``, the
 #: entropy and the top-K part of :class:`pdmask.TokenStats` (its field names).
 SHIPPED = ("sampled_logprob", "entropy") + TOPK_NAMES
+#: Shipped besides, when the micro-batch carries pi_old (decoupled mode): ``D(mu, pi_old)`` of
+#: each top-K divergence (the hook does not know the loss mode), name -> divergence.
+ANCHOR_DISTANCES = {"anchor_topk_kl": "topk_kl", "anchor_topk_tv": "topk_tv"}
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
                                                                              default=None)
@@ -73,6 +76,22 @@ _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pd
 #: top-K, so that a top-K loss can say which half of the setup is missing.
 _ENGINE_WITHOUT_TOPK: contextvars.ContextVar[bool] = contextvars.ContextVar("pdmask_verl_engine_without_topk",
                                                                             default=False)
+
+
+#: The update (mini-batch) index since the step's old-log-prob pass, set by the pdmask engine
+#: around each ``train_batch`` (None: no such pass seen, e.g. bypass mode).
+_UPDATE_INDEX: contextvars.ContextVar[int | None] = contextvars.ContextVar("pdmask_verl_update_index", default=None)
+
+
+@contextlib.contextmanager
+def update_index(u: int | None):
+    """Make the update index ``u`` (1 = the first update after pi_old was scored) visible to
+    the losses during one ``train_batch``."""
+    token = _UPDATE_INDEX.set(u)
+    try:
+        yield
+    finally:
+        _UPDATE_INDEX.reset(token)
 
 
 def loss_name(mode: str, estimator: str = "exact") -> str:
@@ -154,9 +173,13 @@ def binary_stats(log_prob: torch.Tensor, anchor_log_prob: torch.Tensor,
     return replace(TokenStats.from_logprobs(logp, anchor, valid), logp=log_prob)
 
 
-def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> TokenStats:
+def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor,
+               old_log_prob: torch.Tensor | None = None) -> tuple[TokenStats, torch.Tensor | None, dict]:
     """The statistics of the top-K modes: the actor hook's (B, T) top-K part plus the ratio
-    ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``."""
+    ``log pi_k - log mu_k`` against the rollout engine's ``mu_k``; or, when the hook measured
+    the top-K part against pi_old (decoupled mode: it shipped :data:`ANCHOR_DISTANCES`), the
+    ratio ``log pi_k - old_log_prob`` (verl's pi_old). Returns ``(stats, log mu_k when anchored
+    on pi_old else None, {divergence: D(mu, pi_old)})``."""
     st = _ROLLOUT_STATS.get()
     if st is None and _ENGINE_WITHOUT_TOPK.get():
         raise ValueError(
@@ -177,12 +200,17 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor) -> TokenStat
             raise ValueError(f"rollout_stats: {k!r} has shape {tuple(st[k].shape)}, log_prob has {shape}")
     valid = response_mask.bool()
     dt = log_prob.dtype
-    rlp = torch.where(valid, st["sampled_logprob"].to(dt), torch.full_like(log_prob, -0.6931471805599453))
+    filler = torch.full_like(log_prob, -0.6931471805599453)
+    mu = torch.where(valid, st["sampled_logprob"].to(dt), filler)
+    anchored = all(k in st for k in ANCHOR_DISTANCES)
+    rlp = mu if not anchored else torch.where(valid, old_log_prob.detach().to(dt), filler).clamp(max=0.0)
     logp = torch.where(valid, log_prob.detach(), rlp)
     topk = TopKStats.from_dict({k: st[k].bool() if k in ("tail_clamped", "sampled_in_topk") else st[k].to(dt)
                                 for k in TOPK_NAMES})
     entropy = st.get("entropy", torch.zeros_like(logp)).to(dt)
-    return replace(TokenStats.from_logprobs(logp, rlp, valid, entropy=entropy, topk=topk), logp=log_prob)
+    stats = replace(TokenStats.from_logprobs(logp, rlp, valid, entropy=entropy, topk=topk), logp=log_prob)
+    dist = {div: st[name].to(dt) for name, div in ANCHOR_DISTANCES.items()} if anchored else {}
+    return stats, (mu if anchored else None), dist
 
 
 # ------------------------------------------------------------------ the loss
@@ -223,26 +251,59 @@ def aggregation(loss_agg_mode: str, global_batch_info: dict | None) -> Aggregati
         raise e.renamed(f"config.global_batch_info[{key!r}]") from None
 
 
-def policy_loss_spec(mode_name: str, estimator: str, config) -> PolicyLoss:
+def policy_loss_spec(mode_name: str, estimator: str, config, anchor: str = "rollout") -> PolicyLoss:
     """The one :class:`pdmask.PolicyLoss` of a verl loss and actor config: verl's DPPO fields
     as the thresholds (``clip_ratio_low`` / ``clip_ratio_high``, each falling back to
-    ``clip_ratio``) and the IS cap (``clip_ratio_c``; not for the smooth modes, whose ratio is
-    the weight). The aggregation is each call's (:func:`aggregation`: ``loss_agg_mode`` and
-    ``config.global_batch_info``, passed to :meth:`pdmask.PolicyLoss.from_stats`)."""
+    ``clip_ratio``) and the IS cap (``clip_ratio_c``; not for the smooth modes on the rollout
+    anchor, whose ratio pi/mu is the weight; with ``anchor="old"`` it caps the behaviour weight
+    pi_old/mu in every mode). The aggregation is each call's (:func:`aggregation`:
+    ``loss_agg_mode`` and ``config.global_batch_info``, passed to :meth:`pdmask.PolicyLoss.from_stats`)."""
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    smooth = get_mode(mode_name).surrogate in SMOOTH_SURROGATES
-    return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh),
+    smooth = get_mode(mode_name).surrogate in SMOOTH_SURROGATES and anchor == "rollout"
+    return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh), anchor=anchor,
                       corrections=Corrections() if smooth else Corrections(is_cap=float(config.clip_ratio_c)))
 
 
-def _spec_once(specs: dict, mode_name: str, estimator: str, config) -> PolicyLoss:
-    """:func:`policy_loss_spec`, built once per loss and actor config (verl passes the same
-    config to every call; ``specs`` is the loss's own cache, keyed by the fields read)."""
-    key = (config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio, config.clip_ratio_c)
+def _spec_once(specs: dict, mode_name: str, estimator: str, config, anchor: str = "rollout") -> PolicyLoss:
+    """:func:`policy_loss_spec`, built once per loss, actor config and anchor (verl passes the
+    same config to every call; ``specs`` is the loss's own cache, keyed by the fields read)."""
+    key = (config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio, config.clip_ratio_c, anchor)
     if key not in specs:
-        specs[key] = policy_loss_spec(mode_name, estimator, config)
+        specs[key] = policy_loss_spec(mode_name, estimator, config, anchor)
     return specs[key]
+
+
+def binding_metrics(out, spec: PolicyLoss, advantages: torch.Tensor, response_mask: torch.Tensor,
+                    distance: torch.Tensor | None, u: int | None) -> dict[str, torch.Tensor]:
+    """Where the region binds, per micro-batch (detached): the masked share among ``A > 0`` /
+    ``A < 0`` tokens; with pi_old (``distance``: ``D(mu, pi_old)`` of the mode's divergence)
+    its mean and q90 and the share a mu-centred region holds out at pi_old; with the update
+    index ``u`` (decoupled mode) ``mb{u}_out_of_region_frac`` / ``mb{u}_masked_frac`` and, at
+    ``u = 1``, the start-of-step values. Naive torch of the first:
+    ``(~keep & m & (A > 0)).sum() / (m & (A > 0)).sum()``."""
+    from ...anchor import Behaviour, anchor_metrics
+
+    valid = response_mask.bool()
+    cut = ~out.mask & valid
+    m = {}
+    for name, sel in (("pos", (advantages > 0) & valid), ("neg", (advantages < 0) & valid)):
+        m[f"masked_share_{name}_adv"] = (cut & sel).sum() / sel.sum().clamp(min=1)
+    th = spec.thresholds
+    if distance is not None:  # the core's distance metrics (the stats path measures none itself)
+        d = anchor_metrics(Behaviour(torch.zeros_like(distance), distance), torch.ones_like(distance), advantages,
+                           valid, th.delta_low, th.delta_high)
+        m.update({k: d[k] for k in ("anchor_divergence_mean", "anchor_divergence_q90", "anchor_out_of_region_frac")})
+    if u is not None:
+        m[f"mb{u}_out_of_region_frac"] = out.metrics["out_of_region_frac"]
+        m[f"mb{u}_masked_frac"] = out.metrics["masked_frac"]
+        if u == 1:
+            m["out_before_update_frac"] = out.metrics["out_of_region_frac"]
+            if distance is not None:
+                m.update(start_divergence_mean=m["anchor_divergence_mean"],
+                         start_divergence_q90=m["anchor_divergence_q90"],
+                         mu_region_out_frac_at_start=m["anchor_out_of_region_frac"])
+    return {k: v.detach() for k, v in m.items()}
 
 
 def masked_policy_loss(
@@ -259,6 +320,8 @@ def masked_policy_loss(
     has_entropy: bool,
     replace_weight: bool = False,
     spec: PolicyLoss | None = None,
+    behaviour_logprob: torch.Tensor | None = None,
+    distance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """pdmask's loss on verl's (B, T) tensors: :func:`pdmask.loss_from_stats`, the
     core's pipeline (mask, corrections, surrogate, aggregation), with verl's
@@ -272,15 +335,23 @@ def masked_policy_loss(
     in decoupled mode), ``w = rollout_is_weights`` in its place (``is_weights``): verl's token /
     sequence TIS or MIS weight against the same mu (a weight of 0, verl's MIS, masks the
     token). ``M`` from :func:`pdmask.mask_from_stats` (see :func:`pdmask.policy_loss`).
+    Top-K modes in decoupled mode (``behaviour_logprob``: mu's ``log mu_k``; ``stats`` against
+    verl's ``old_log_prob``, pi_old): the anchored loss, ``w(pi_old/mu)`` on the surrogate of
+    ``pi/pi_old`` with ``w = min(., C)`` or verl's ``rollout_is_weights`` (computed by verl from
+    the same pi_old and mu), and the anchored metrics (``distance``: ``D(mu, pi_old)``).
     ``spec``: the loss's :func:`policy_loss_spec`, built once (None: built here).
     """
-    spec = policy_loss_spec(mode_name, estimator, config) if spec is None else spec
+    anchor = "rollout" if behaviour_logprob is None else "old"
+    spec = policy_loss_spec(mode_name, estimator, config, anchor) if spec is None else spec
     weights = {}
     if rollout_is_weights is not None:
         weights["is_weights" if replace_weight else "loss_weights"] = rollout_is_weights
+    if behaviour_logprob is not None:
+        weights["behaviour_logprob"] = behaviour_logprob
     out = spec.from_stats(stats, advantages, response_mask,
                           aggregation=aggregation(loss_agg_mode, config.global_batch_info), **weights)
     m = dict(out.metrics)
+    m.update(binding_metrics(out, spec, advantages, response_mask, distance, _UPDATE_INDEX.get()))
     m.pop("loss")  # verl reports the loss itself (actor/pg_loss)
     if not has_entropy:
         m.pop("entropy_mean")
@@ -335,10 +406,13 @@ def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
         if tuple(old_log_prob.shape) != tuple(log_prob.shape) or tuple(advantages.shape) != tuple(log_prob.shape):
             raise ValueError(f"old_log_prob/advantages: expected shape {tuple(log_prob.shape)}, got "
                              f"{tuple(old_log_prob.shape)} / {tuple(advantages.shape)}")
+        behaviour, distance = None, None
         if topk:
-            # verl's rollout_is_weights (decoupled mode) replace the weight min(pi/mu, C): both are
-            # IS weights against the same rollout mu, so the product would count the mismatch twice
-            stats = topk_stats(log_prob, response_mask)
+            # verl's rollout_is_weights (decoupled mode) replace the weight min(pi/mu, C) (rollout
+            # anchor) or min(pi_old/mu, C) (pi_old in the micro-batch): all are IS weights against
+            # the same rollout mu, so a product would count the mismatch twice
+            stats, behaviour, dists = topk_stats(log_prob, response_mask, old_log_prob)
+            distance = dists.get(get_mode(mode_name).divergence)
             has_entropy = "entropy" in (_ROLLOUT_STATS.get() or {})
         else:
             stats = binary_stats(log_prob, old_log_prob, response_mask)
@@ -347,9 +421,12 @@ def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
             raise ValueError(f"rollout_is_weights: expected shape {tuple(log_prob.shape)}, got "
                              f"{tuple(rollout_is_weights.shape)}")
         calls[0] += 1
+        anchor = "rollout" if behaviour is None else "old"
         loss, metrics = masked_policy_loss(mode_name, estimator, stats, log_prob, advantages, response_mask,
                                            loss_agg_mode, config, rollout_is_weights, has_entropy=has_entropy,
-                                           replace_weight=topk, spec=_spec_once(specs, mode_name, estimator, config))
+                                           replace_weight=topk, spec=_spec_once(specs, mode_name, estimator, config,
+                                                                                anchor),
+                                           behaviour_logprob=behaviour, distance=distance)
         check_finite_loss(loss_name(mode_name, estimator), calls[0], loss, config,
                           log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
                           response_mask=response_mask)
