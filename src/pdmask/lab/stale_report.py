@@ -298,10 +298,10 @@ def stale_report(rung_dir: str | Path, *, versus=DEFAULT_VERSUS, labels: list[st
         if unknown:
             raise ValueError(f"labels: {', '.join(unknown)} not among the finished runs' labels ({', '.join(by)})")
     labels = list(labels) if labels else order_labels(by, versus)
-    versus = [v for v in versus if v in by]
-    for v in DEFAULT_VERSUS:
-        if v not in by:
-            notes.append(f"no finished run of {v}: nothing is compared with it")
+    for v in versus:
+        if v not in labels:
+            notes.append(f"no finished run of {v} among the reported labels: nothing is compared with it")
+    versus = [v for v in versus if v in labels]
     if len({r["sync_every"] for r in runs}) > 1 or len({r["steps"] for r in runs}) > 1:
         notes.append("the runs differ in steps or sync_every: they are not one cell")
     sc = scalars_table(by, labels, versus)
