@@ -17,7 +17,7 @@ PKG = "pdmask"
 
 #: Top-level modules of the core (with the ``ops`` package and the package root, which
 #: re-exports the public API).
-CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "anchor", "masks", "stats", "corrections", "loss"}
+CORE_MODULES = {"keys", "rollout", "_validate", "divergences", "anchor", "masks", "stats", "surrogates", "corrections", "loss"}
 #: The library's layers; everything else (``pdmask.lab``) is the lab, and ``cli`` the front door.
 LIBRARY = {"core", "api", "formats", "engine", "train", "integrations"}
 #: The lab's layers (``pdmask.lab``): the library never imports them.

@@ -20,7 +20,10 @@ Public API (pure tensor functions taking a few typed objects):
   building blocks of a mode: regions :func:`divergence_region`, :func:`ratio_region`;
   direction tests :func:`predictive`, :func:`ratio_sign`. The experimental batch-aware
   modes register themselves when :mod:`pdmask.lab.batchmask` is imported.
-- :func:`aggregate` — verl's loss aggregation modes; :func:`token_loss` — the surrogates.
+- :data:`SURROGATES`, :func:`register_surrogate`, :class:`Surrogate` — the per-token loss forms
+  (:func:`token_loss`); :func:`register_divergence`, :class:`TopKDivergence` — the top-K
+  divergences (docs/core.md, "Adding a surrogate, a divergence or a mode").
+- :func:`aggregate` — verl's loss aggregation modes.
 - :func:`importance_weights`, :func:`rejection_mask`, :func:`off_policy_mask` — the
   off-policy corrections (:mod:`pdmask.corrections`; in :func:`policy_loss` through its
   ``corrections=`` :class:`Corrections`).
@@ -30,6 +33,7 @@ from ._validate import SpecError
 from .anchor import ANCHORS, Anchor
 from .corrections import RULES as REJECTION_RULES
 from .corrections import Corrections, importance_weights, off_policy_mask, rejection_mask
+from .divergences import TopKDivergence, register_divergence
 from .keys import ESTIMATORS, SUPPORTS, ddot_key
 from .loss import (
     Aggregation, PolicyLoss, PolicyLossOutput, aggregate, loss_from_stats, policy_loss, policy_loss_from_hidden,
@@ -37,18 +41,20 @@ from .loss import (
 )
 from .masks import (
     MODES, MaskMode, Thresholds, divergence_region, get_mode, mask_from_stats, predictive, ratio_region, ratio_sign,
-    register_mode, token_loss,
+    register_mode,
 )
 from .ops import Compute, Hidden, Sampling
 from .rollout import Rollout
 from .stats import TokenStats, token_stats
+from .surrogates import SURROGATES, Surrogate, register_surrogate, token_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ANCHORS", "Aggregation", "Anchor", "Compute", "Corrections", "ESTIMATORS", "Hidden", "MODES", "MaskMode", "PolicyLoss",
-    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "Sampling", "SpecError", "Thresholds", "TokenStats",
-    "aggregate", "ddot_key", "divergence_region", "get_mode", "importance_weights",
-    "loss_from_stats", "mask_from_stats", "off_policy_mask", "policy_loss", "policy_loss_from_hidden", "predictive",
-    "ratio_region", "ratio_sign", "register_mode", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
+    "PolicyLossOutput", "REJECTION_RULES", "Rollout", "SUPPORTS", "SURROGATES", "Sampling", "SpecError", "Surrogate",
+    "Thresholds", "TokenStats", "TopKDivergence", "aggregate", "ddot_key", "divergence_region", "get_mode",
+    "importance_weights", "loss_from_stats", "mask_from_stats", "off_policy_mask", "policy_loss",
+    "policy_loss_from_hidden", "predictive", "ratio_region", "ratio_sign", "register_divergence", "register_mode",
+    "register_surrogate", "rejection_mask", "token_loss", "token_stats", "trust_region_mask",
 ]

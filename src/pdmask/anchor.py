@@ -26,6 +26,7 @@ import torch
 from . import divergences as dv
 from ._validate import LOGPROB_TOL, Checks, SpecError
 from .divergences import masked_mean
+from .keys import TOPK_DIVERGENCES
 from .masks import beyond_delta
 from .rollout import Rollout
 
@@ -128,7 +129,7 @@ def anchor_distance(divergence: str, anchored: Rollout, rollout: Rollout, valid:
     full mu and pi_old known): bucket both tails outside ``topK ∪ {k}``, then ``kl_div``."""
     lq = torch.where(valid, anchored.sampled_logprob.detach().double(), torch.zeros((), dtype=torch.float64))
     lmu = torch.where(valid, rollout.sampled_logprob.detach().double(), torch.zeros((), dtype=torch.float64))
-    if divergence in ("topk_kl", "topk_tv") and rollout.topk_ids is not None:
+    if divergence in TOPK_DIVERGENCES and rollout.topk_ids is not None:
         K = rollout.topk_ids.shape[-1]
         flat = valid.reshape(-1)
         ids = rollout.sampled_ids.reshape(-1).long()
@@ -138,7 +139,7 @@ def anchor_distance(divergence: str, anchored: Rollout, rollout: Rollout, valid:
         tm = torch.where(flat[:, None], rollout.topk_logprobs.reshape(-1, K).detach().double(), pad).clamp(max=0)
         sup = dv.build_support(ids, lq.reshape(-1).clamp(max=0), lmu.reshape(-1).clamp(max=0), tk_ids, tq, tm,
                                torch.zeros_like(lq.reshape(-1)), vocab_size)
-        d = (dv.topk_kl(sup) if divergence == "topk_kl" else dv.topk_tv(sup)).reshape(valid.shape)
+        d = TOPK_DIVERGENCES[divergence].value(sup).reshape(valid.shape)
     elif divergence == "binary_tv":
         d = dv.binary_tv(lq, lmu)
     else:

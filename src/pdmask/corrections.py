@@ -22,14 +22,15 @@ import torch
 from ._validate import SpecError, check_bool, check_choice, check_positive
 from .divergences import floor_neginf, masked_mean
 from .stats import MAX_LOG_RATIO
+from .surrogates import RATIO_LOG_BOUND, is_weight  # noqa: F401  (is_weight: the DPPO weight, re-exported)
 
 #: IS weight levels (verl ``rollout_is``): ``None`` (no weight), per token, per sequence.
 IS_LEVELS = (None, "token", "sequence")
 #: Rejection rules (verl 0.9.1 ``rollout_rs`` options).
 RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
          "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-#: |log r| bound of the rules' statistics (verl's SAFETY_BOUND).
-RULE_LOG_BOUND = 20.0
+#: |log r| bound of the rules' statistics (verl's SAFETY_BOUND; the smooth surrogates' ratio bound too).
+RULE_LOG_BOUND = RATIO_LOG_BOUND
 #: The IS cap C when none is given (``Corrections(is_cap=None)``).
 DEFAULT_IS_CAP = 5.0
 
@@ -62,6 +63,10 @@ class Corrections:
     rules: tuple = field(init=False, default=(), compare=False)
     #: the caller gave ``is_cap`` (not the None default): a cap that would do nothing is then refused
     is_cap_given: bool = field(init=False, default=False, compare=False, repr=False)
+    #: the weight is the plain token TIS ``min(r, is_cap)`` (computed by the surrogate itself)
+    default_weight: bool = field(init=False, default=True, compare=False, repr=False)
+    #: anything beyond the default token TIS (a mask, a rule, another weight): the loss applies them
+    active: bool = field(init=False, default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_cap_given", self.is_cap is not None)
@@ -83,6 +88,9 @@ class Corrections:
         for name in ("is_cap", "is_floor", "off_policy_mask_threshold"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
+        default = is_level == "token" and is_floor is None and not self.is_mask and not self.is_batch_normalize
+        object.__setattr__(self, "default_weight", default)
+        object.__setattr__(self, "active", not default or bool(self.rules) or self.off_policy_mask_threshold is not None)
 
     @classmethod
     def from_fields(cls, obj, **overrides) -> "Corrections":
@@ -92,40 +100,6 @@ class Corrections:
         kw.update(overrides)
         return cls(**kw)
 
-    def check_surrogate(self, surrogate: str, *, dual_clip: float | None = None) -> None:
-        """What the mode's surrogate cannot honour. Every surrogate but ``dppo`` differentiates
-        its ratio pi/mu, already the token IS weight, so only masks apply there; a given
-        ``is_cap`` that bounds nothing is refused (``dppo`` without a weight; the ratio
-        surrogates without ``is_mask``, but for ``grpo``'s dual clip when ``dual_clip`` is None)."""
-        if surrogate == "dppo":
-            if self.is_level is None and self.is_cap_given:
-                raise SpecError("is_cap", "bounds the IS weight, and is_level=None applies none (w = 1), so it would "
-                                 "be ignored; set is_level='token' or 'sequence', or remove is_cap")
-            return
-        who = "grpo (ppo-clip)" if surrogate == "ppo-clip" else f"the {surrogate} surrogate"
-        if self.is_level == "sequence" and not self.is_mask:
-            raise SpecError("is_level", f"'sequence' weights are refused with {who}: its ratio pi/mu already "
-                             "is the token IS weight; use is_mask=True for a sequence mask")
-        if self.is_floor is not None and not self.is_mask:
-            raise SpecError("is_floor", f"truncating from below is refused with {who}: its ratio pi/mu is its "
-                             "own weight; use is_mask=True to mask below is_floor")
-        if self.is_batch_normalize:
-            raise SpecError("is_batch_normalize", f"refused with {who}, which applies no separate IS weight")
-        if self.is_cap_given and not self.is_mask and (surrogate != "ppo-clip" or dual_clip is not None):
-            what = "dual_clip is the dual-clip constant" if surrogate == "ppo-clip" else "its ratio is the weight"
-            raise SpecError("is_cap", f"bounds nothing with {who} without is_mask ({what}), so it would be "
-                             "ignored; set is_mask=True for an IS mask [is_floor, is_cap], or remove is_cap")
-
-    @property
-    def default_weight(self) -> bool:
-        """The weight is the plain token TIS ``min(r, is_cap)`` (computed by the loss itself)."""
-        return (self.is_level == "token" and self.is_floor is None and not self.is_mask
-                and not self.is_batch_normalize)
-
-    @property
-    def active(self) -> bool:
-        """Anything beyond the default token TIS (a mask, a rule, another weight)."""
-        return not self.default_weight or bool(self.rules) or self.off_policy_mask_threshold is not None
 
 
 #: The correction fields, in one place: what a config object maps onto :class:`Corrections`.
@@ -223,13 +197,6 @@ def _seq_sum(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _seq_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return _seq_sum(x, valid) / valid.sum(-1).clamp(min=1).to(x.dtype)
-
-
-def is_weight(log_ratio: torch.Tensor, is_cap: float) -> torch.Tensor:
-    """The detached IS weight ``min(r, C)`` of the DPPO surrogate, ``C = is_cap`` (``inf``:
-    no cap but :data:`~pdmask.stats.MAX_LOG_RATIO`). Naive: ``log_ratio.exp().clamp(max=C)``."""
-    max_log_w = min(math.log(is_cap), MAX_LOG_RATIO) if math.isfinite(is_cap) else MAX_LOG_RATIO
-    return log_ratio.detach().clamp(max=max_log_w).exp()
 
 
 # ------------------------------------------------------------------ the three stages
@@ -355,9 +322,10 @@ class CorrectionResult:
 
 
 def apply_corrections(spec: Corrections, log_ratio: torch.Tensor, advantages: torch.Tensor,
-                      response_mask: torch.Tensor, *, surrogate: str = "dppo") -> CorrectionResult:
-    """All three stages on (B, T) tensors. The weight is returned only where it differs from
-    the surrogate's own (``dppo`` with a non-default spec); the metrics add
+                      response_mask: torch.Tensor, *, weighted: bool = True) -> CorrectionResult:
+    """All three stages on (B, T) tensors. ``weighted``: the surrogate takes an IS weight
+    (:attr:`pdmask.surrogates.Surrogate.takes_is_weight`); the weight is returned only where it
+    differs from the surrogate's own (a non-default spec); the metrics add
     ``masked_frac_correction`` / ``seq_masked_frac_correction`` (what any correction masks)."""
     valid = response_mask.bool()
     keep = torch.ones_like(valid)
@@ -365,10 +333,10 @@ def apply_corrections(spec: Corrections, log_ratio: torch.Tensor, advantages: to
     weight = None
     if not spec.default_weight:
         w, k_is, m_is = importance_weights(log_ratio, valid, spec)
-        weight = w if surrogate == "dppo" else None
+        weight = w if weighted else None
         keep = keep & k_is
-        # ppo-clip applies the masks only: its weight is the PPO ratio, not this one
-        m.update({k: v for k, v in m_is.items() if surrogate == "dppo" or not k.startswith("is_weight")})
+        # a surrogate without an IS weight applies the masks only: its weight is its ratio, not this one
+        m.update({k: v for k, v in m_is.items() if weighted or not k.startswith("is_weight")})
     if spec.rules:
         k_rs, m_rs = _rejection(spec.rules, log_ratio, valid)
         keep = keep & k_rs

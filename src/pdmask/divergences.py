@@ -7,17 +7,30 @@ by ``A w Ddot``, ``Ddot = pi_k (g_k - gbar) - sum_i pi_i^2 (g_i - gbar)`` (``g =
 ``gbar = sum pi g``); outward iff ``A Ddot > 0``. The top-K tail enters only through
 ``P2 = sum_{tail} pi_i^2``, which the estimators take as the tail's own sum (``exact``),
 ``pi_T^2`` (``aggregated``), ``pi_T^2 / (V - |S'|)`` (``uniform``) or 0 (``truncated``).
+
+The top-K divergences are registered objects (:class:`TopKDivergence`, :func:`register_divergence`):
+each declares its value, its gradient ``g`` on the support and the tail bucket, and its default
+delta; every top-K ``Ddot`` comes from that one formula (:func:`ddot_topk`), and a registration
+whose gradient is not the derivative of its value is refused (:func:`check_divergence`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ._validate import check_choice
-from .keys import ESTIMATORS, SUPPORTS
+from ._validate import SpecError, check_choice, check_positive
+from .keys import ESTIMATORS, SUPPORTS, TOPK_DIVERGENCES, add_topk_divergence
+
+#: Default region thresholds delta: of the KL-like divergences (KL, binary KL) and of the
+#: TV ones (top-K, binary and full TV); a registration may use them (docs/core.md's tables).
+KL_DELTA = 0.05
+TV_DELTA = 0.15
+#: Default delta of the divergences computed outside the registry (the binary and full ones).
+FIXED_DELTAS = {"binary_tv": TV_DELTA, "binary_kl": KL_DELTA, "full_kl": KL_DELTA, "full_tv": TV_DELTA}
 
 
 def log_floor(dtype: torch.dtype) -> float:
@@ -152,9 +165,40 @@ def topk_kl(s: Support) -> torch.Tensor:
     return (body + tail).clamp(min=0.0)
 
 
+def topk_kl_grad(s: Support) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pi g`` of the top-K KL: ``g_i = -mu_i / pi_i``, so ``pi_i g_i = -mu_i`` (finite at pi = 0)."""
+    return -s.mu, -s.mu_tail
+
+
 def topk_tv(s: Support) -> torch.Tensor:
     """Top-K TV ``1/2 (sum_S |mu_i - pi_i| + |mu_T - pi_T|)``."""
     return 0.5 * ((s.mu - s.pi).abs().sum(-1) + (s.mu_tail - s.pi_tail).abs())
+
+
+def topk_tv_grad(s: Support) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pi g`` of the top-K TV: ``g_i = 1/2 sign(pi_i - mu_i)`` (a subgradient at ties)."""
+    return 0.5 * s.pi * torch.sign(s.pi - s.mu), 0.5 * s.pi_tail * torch.sign(s.pi_tail - s.mu_tail)
+
+
+def _log_mid(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """``log((p + q) / 2)`` from log-probs (-inf where both are 0)."""
+    return torch.logaddexp(logp, logq) - math.log(2.0)
+
+
+def topk_js(s: Support) -> torch.Tensor:
+    """Top-K Jensen-Shannon ``1/2 KL(mu || m) + 1/2 KL(pi || m)``, ``m = (mu + pi) / 2``, on the
+    support's buckets and the tail bucket; at most log 2. Naive torch: bucket both tails, then
+    ``0.5 * (kl(mu, m) + kl(pi, m))``."""
+    logm, logm_t = _log_mid(s.logmu, s.logpi), _log_mid(torch.log(s.mu_tail), s.logpi_tail)
+    body = (_xlog_ratio(s.mu, s.logmu, logm) + _xlog_ratio(s.pi, s.logpi, logm)).sum(-1)
+    tail = _xlog_ratio(s.mu_tail, torch.log(s.mu_tail), logm_t) + _xlog_ratio(s.pi_tail, s.logpi_tail, logm_t)
+    return (0.5 * (body + tail)).clamp(min=0.0)
+
+
+def topk_js_grad(s: Support) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pi g`` of the top-K JS: ``g_i = 1/2 log(pi_i / m_i)`` (the mu terms' derivatives cancel)."""
+    logm, logm_t = _log_mid(s.logmu, s.logpi), _log_mid(torch.log(s.mu_tail), s.logpi_tail)
+    return 0.5 * _xlog_ratio(s.pi, s.logpi, logm), 0.5 * _xlog_ratio(s.pi_tail, s.logpi_tail, logm_t)
 
 
 # =========================================================================== directions
@@ -209,38 +253,32 @@ def ddot_binary_kl(logp, sampled_logprob, sum_p2) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- top-K
-def _mu_k_seen(s: Support) -> torch.Tensor:
-    """What the top-K divergence takes mu_k to be: its entry on the support, or, for a
-    sampled token in the tail bucket (support ``"topk"``), the tail's share
-    ``mu_T pi_k / pi_T`` (``pi_k <= pi_T``: a ratio of logs, accurate at any tail size)."""
+def _tail_share(s: Support) -> torch.Tensor:
+    """``pi_k / pi_T`` of a sampled token in the tail bucket (support ``"topk"``; ``pi_k <= pi_T``):
+    a ratio of logs, accurate at any tail size; 0 where pi_T = 0."""
     share = torch.exp(s.logpi_k - s.logpi_tail).clamp(max=1.0)
-    share = torch.where(s.logpi_tail > float("-inf"), share, torch.zeros_like(share))  # pi_T = 0: pi_k = 0
-    return torch.where(s.k_in, s.mu_k, s.mu_tail * share)
+    return torch.where(s.logpi_tail > float("-inf"), share, torch.zeros_like(share))
 
 
-def ddot_topk_kl(s: Support, estimator: str) -> torch.Tensor:
-    """``Ddot`` of the top-K KL: ``(pi_k - mu_k) + sum_S pi_i (mu_i - pi_i) + mu_T q - P2``.
-    Naive torch (exact): ``autograd.grad(D, z) @ (e_k - pi)`` of the bucketed KL of the logits."""
-    local = s.pi_k - _mu_k_seen(s)
-    body = (s.pi * (s.mu - s.pi)).sum(-1)
+def ddot_topk(s: Support, divergence: "TopKDivergence | str", estimator: str) -> torch.Tensor:
+    """``Ddot`` of a registered top-K divergence from its gradient (:attr:`TopKDivergence.grad`:
+    ``h = pi g`` on the support's columns, ``h_T = pi_T g_T`` on the tail) with the estimator's
+    ``P2`` (module docstring), the one formula of every top-K divergence::
+
+        gbar = sum_S h_i + h_T
+        Ddot = pi_k (g_k - gbar) - sum_S pi_i^2 (g_i - gbar) - P2 (g_T - gbar)
+             = h_k - pi_k gbar - sum_S pi_i h_i + gbar (sum_S pi_i^2 + P2) - (P2 / pi_T) h_T
+
+    (``h_k`` the sampled token's column, or ``(pi_k / pi_T) h_T`` when it lies in the tail).
+    Naive torch (exact): ``autograd.grad(D, z) @ (e_k - pi)`` of the bucketed divergence of the logits."""
+    div = TOPK_DIVERGENCES[divergence] if isinstance(divergence, str) else divergence
+    h, h_t = div.grad(s)
+    h = torch.where(s.valid, h, torch.zeros_like(h))
+    gbar = h.sum(-1) + h_t
+    h_k = torch.where(s.k_in, h.gather(1, s.k_col[:, None]).squeeze(1), _tail_share(s) * h_t)
     p2 = tail_p2(s, estimator)
-    tail = s.mu_tail * _tail_mean_pi(s, p2) - p2
-    return local + body + tail
-
-
-def ddot_topk_tv(s: Support, estimator: str) -> torch.Tensor:
-    """``Ddot`` of the top-K TV, ``s_i = 1/2 sign(pi_i - mu_i)`` on S' and ``s_T`` on the tail
-    (also ``s_k`` of a sampled token in the tail bucket; a subgradient at ties)::
-
-        gbar = sum_{S'} pi_i s_i + pi_T s_T
-        Ddot = pi_k (s_k - gbar) - sum_{S'} pi_i^2 (s_i - gbar) - P2 (s_T - gbar)
-    """
-    sg = 0.5 * torch.sign(s.pi - s.mu) * s.valid
-    s_t = 0.5 * torch.sign(s.pi_tail - s.mu_tail)
-    gbar = (s.pi * sg).sum(-1) + s.pi_tail * s_t
-    s_k = torch.where(s.k_in, sg.gather(1, s.k_col[:, None]).squeeze(1), s_t)  # k in the tail: s_T
-    p2 = tail_p2(s, estimator)
-    return s.pi_k * (s_k - gbar) - (s.pi * s.pi * (sg - gbar[:, None])).sum(-1) - p2 * (s_t - gbar)
+    sum_pi2 = (s.pi * s.pi).sum(-1)
+    return h_k - s.pi_k * gbar - (s.pi * h).sum(-1) + gbar * (sum_pi2 + p2) - _tail_mean_pi(s, p2) * h_t
 
 
 # ------------------------------------------------------------- full vocabulary
@@ -256,3 +294,96 @@ def ddot_full_tv(logp, full_mu_k, sum_p_s, sum_p2_s, sum_p2) -> torch.Tensor:
     pk = logp.exp()
     s_k = 0.5 * torch.sign(pk - full_mu_k)
     return pk * (s_k - sum_p_s) - (sum_p2_s - sum_p_s * sum_p2)
+
+
+# =========================================================================== the registry
+@dataclass(frozen=True)
+class TopKDivergence:
+    """A divergence on the top-K support with one tail bucket (METHOD.md section 3), by
+    name (``topk_<...>``, its stat key). ``value(s) -> (N,)`` of a :class:`Support`;
+    ``grad(s) -> (h, h_T)``: its gradient g = dD/dpi as ``h = pi g`` on the support's (N, K+1)
+    columns and ``h_T = pi_T g_T`` on the tail bucket (``pi g``, the gradient along log pi,
+    stays finite where pi -> 0: KL's is ``-mu``), from which :func:`ddot_topk` makes every
+    ``Ddot``; ``default_delta`` the region threshold when the caller gives none; ``doc``."""
+
+    name: str
+    value: Callable[[Support], torch.Tensor]
+    grad: Callable[[Support], tuple[torch.Tensor, torch.Tensor]] | None
+    default_delta: float
+    doc: str = ""
+
+
+def register_divergence(div: TopKDivergence, *, overwrite: bool = False) -> TopKDivergence:
+    """Add a top-K divergence: its statistics, its four ``Ddot`` (one per estimator) and its
+    modes' default delta follow from the registration. Checked first (:func:`check_divergence`)."""
+    check_divergence(div)
+    if div.name in TOPK_DIVERGENCES and not overwrite:
+        raise SpecError("divergence", f"{div.name!r} is already registered (pass overwrite=True to replace it)")
+    add_topk_divergence(div.name, div)
+    return div
+
+
+def check_divergence(div: TopKDivergence) -> None:
+    """A registration that would be silently wrong is refused: a name outside ``topk_*``, a
+    value or gradient that is not callable, a default delta that is not a positive number, and
+    a gradient that is not the derivative of the value (on a small float64 probe, both supports,
+    the sampled token inside and outside the top-K: :func:`ddot_topk` against autograd)."""
+    if not isinstance(div, TopKDivergence):
+        raise SpecError("divergence", f"expected a pdmask.divergences.TopKDivergence, got {type(div).__name__}")
+    if not (isinstance(div.name, str) and div.name.startswith("topk_") and div.name.isidentifier()):
+        raise SpecError("divergence", f"a top-K divergence's name is its stat key, topk_<name>; got {div.name!r}")
+    for part in ("value", "grad"):
+        if not callable(getattr(div, part)):
+            raise SpecError(part, f"divergence {div.name!r} needs a callable {part}(support) (its "
+                                  f"{'derivative g = dD/dpi, as pi g' if part == 'grad' else 'per-token value'})")
+    check_positive("default_delta", div.default_delta)
+    if div.default_delta is None:
+        raise SpecError("default_delta", f"divergence {div.name!r} needs its default delta")
+    err = _derivative_error(div)
+    if not err < 1e-6:
+        raise SpecError("grad", f"divergence {div.name!r}: Ddot from grad differs from the derivative of value "
+                                f"by {err:.3g} (relative) on the registration probe; grad must be pi * dD/dpi")
+
+
+def _derivative_error(div: TopKDivergence) -> float:
+    """Largest relative difference between :func:`ddot_topk` (exact) and autograd's ``Ddot`` of
+    ``div.value`` on a fixed float64 probe (6 rows, V = 9, K = 3, both supports)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 9, generator=g, dtype=torch.float64).requires_grad_(True)
+    logmu = torch.log_softmax(z.detach() + torch.randn(6, 9, generator=g, dtype=torch.float64), -1)
+    top = logmu.topk(3, dim=-1)
+    outside = (~torch.zeros(6, 9, dtype=torch.bool).scatter(1, top.indices, True)).to(torch.int64).argmax(-1)
+    k = torch.where(torch.arange(6) % 2 == 0, top.indices[:, 1], outside)  # inside, outside, inside, ...
+    worst = 0.0
+    for support in SUPPORTS:
+        logpi = torch.log_softmax(z, -1)
+        lp_k = logpi.gather(1, k[:, None]).squeeze(1)
+        s = build_support(k, lp_k, logmu.gather(1, k[:, None]).squeeze(1), top.indices, logpi.gather(1, top.indices),
+                          top.values, logpi.exp().square().sum(-1), 9, support=support)
+        (dz,) = torch.autograd.grad(div.value(s).sum(), z)
+        pi = logpi.detach().exp()
+        want = dz.gather(1, k[:, None]).squeeze(1) - (pi * dz).sum(-1)
+        got = ddot_topk(_detached(s), div, "exact")
+        worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-12)).max()))
+    return worst
+
+
+def _detached(s: Support) -> Support:
+    return Support(*(getattr(s, f).detach() for f in Support.__dataclass_fields__))
+
+
+def default_delta(divergence: str) -> float:
+    """The default region threshold delta of a divergence (a registered top-K one's, or
+    :data:`FIXED_DELTAS`'s)."""
+    if divergence in TOPK_DIVERGENCES:
+        return TOPK_DIVERGENCES[divergence].default_delta
+    check_choice("divergence", divergence, [*TOPK_DIVERGENCES, *FIXED_DELTAS])
+    return FIXED_DELTAS[divergence]
+
+
+for _d in (TopKDivergence("topk_kl", topk_kl, topk_kl_grad, KL_DELTA, "KL(mu || pi) on the support, a lower bound "
+                          "of the full KL"),
+           TopKDivergence("topk_tv", topk_tv, topk_tv_grad, TV_DELTA, "total variation on the support"),
+           TopKDivergence("topk_js", topk_js, topk_js_grad, KL_DELTA / 4, "Jensen-Shannon on the support, at most "
+                          "log 2; about KL/4 near mu, hence delta = KL's / 4")):
+    register_divergence(_d)

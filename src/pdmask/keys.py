@@ -1,7 +1,10 @@
 """The statistics' vocabulary: the divergence, estimator and support names, and the stat
 key of every ``Ddot`` (``ddot_key``; ``DDOT_KEY`` the table), written once here
 (docs/core.md): ``binary_*`` (the sampled token), ``topk_*`` (the rollout's top-K plus a
-tail bucket), ``full_*`` (the rollout's full logits; simulation / oracle).
+tail bucket: the registered ones, :func:`pdmask.divergences.register_divergence`),
+``full_*`` (the rollout's full logits; simulation / oracle). The tables below that name the
+top-K divergences are filled by that registration (plain containers, so that reading them
+on the loss's path runs no function of this module).
 """
 
 from __future__ import annotations
@@ -14,11 +17,24 @@ ESTIMATORS = ("exact", "aggregated", "uniform", "truncated")
 #: DPPO reference code, Stable-RL's ``compute_topk_kl``). docs/core.md, METHOD.md section 3.
 SUPPORTS = ("topk+sampled", "topk")
 BINARY_DIVERGENCES = ("binary_tv", "binary_kl")
-TOPK_DIVERGENCES = ("topk_kl", "topk_tv")
 FULL_DIVERGENCES = ("full_kl", "full_tv")
-DIVERGENCES = BINARY_DIVERGENCES + TOPK_DIVERGENCES + FULL_DIVERGENCES
+#: The registered top-K divergences: name -> :class:`pdmask.divergences.TopKDivergence`.
+TOPK_DIVERGENCES: dict = {}
+#: Every divergence name: the binary ones, the registered top-K ones, the full ones.
+DIVERGENCES: list = [*BINARY_DIVERGENCES, *FULL_DIVERGENCES]
 #: ``(divergence, estimator) -> stat key of its Ddot``, every pair (:func:`ddot_key` checks its names).
-DDOT_KEY = {(d, e): f"ddot_{d}_{e}" if d in TOPK_DIVERGENCES else f"ddot_{d}" for d in DIVERGENCES for e in ESTIMATORS}
+DDOT_KEY: dict = {(d, e): f"ddot_{d}" for d in DIVERGENCES for e in ESTIMATORS}
+#: stat key of a top-K ``Ddot`` -> ``(divergence, estimator)``.
+TOPK_DDOTS: dict = {}
+
+
+def add_topk_divergence(name: str, divergence) -> None:
+    """Enter a top-K divergence in the tables above (:func:`pdmask.divergences.register_divergence`)."""
+    TOPK_DIVERGENCES[name] = divergence
+    DIVERGENCES[:] = [*BINARY_DIVERGENCES, *TOPK_DIVERGENCES, *FULL_DIVERGENCES]
+    for e in ESTIMATORS:
+        DDOT_KEY[name, e] = f"ddot_{name}_{e}"
+        TOPK_DDOTS[f"ddot_{name}_{e}"] = (name, e)
 
 
 def ddot_key(divergence: str, estimator: str = "exact") -> str:

@@ -14,14 +14,14 @@ import torch
 from . import ops
 from ._validate import Checks, SpecError, check_bool, check_choice, check_count, check_device
 from .anchor import ANCHORS, Anchor, Behaviour, anchor_metrics, behaviour_of, check_behaviour, renamed_for_anchor
-from .corrections import Corrections, apply_corrections, is_weight
+from .corrections import FIELDS as CORRECTION_FIELDS
+from .corrections import Corrections, apply_corrections
 from .divergences import floor_neginf, masked_mean
 from .keys import ESTIMATORS, SUPPORTS
-from .masks import (
-    MODES, MaskMode, MaskResult, Thresholds, _token_loss, check_advantage_scale, check_inputs_for, decide, get_mode,
-)
+from .masks import MODES, MaskMode, MaskResult, Thresholds, check_inputs_for, decide, get_mode
 from .rollout import Rollout
-from .stats import TokenStats, token_stats
+from .stats import MAX_LOG_RATIO, TokenStats, token_stats
+from .surrogates import SURROGATES, _token_loss, check_advantage_scale, check_corrections, is_weight
 
 # ------------------------------------------------------------------ aggregation
 #: The aggregation modes (verl 0.9.1's ``agg_loss``) and the denominators of
@@ -175,6 +175,23 @@ class PolicyLossOutput:
     stats: TokenStats
 
 
+def with_preset(corrections: Corrections, mode: MaskMode, thresholds: Thresholds) -> Corrections:
+    """``corrections`` with the fields the mode's preset sets (:attr:`pdmask.MaskMode.corrections`,
+    from the resolved thresholds); a field given another value is refused (the preset would
+    override it), one given the same value is kept (a resolved record reloads)."""
+    if mode.corrections is None:
+        return corrections
+    preset = mode.corrections(thresholds)
+    default = Corrections()
+    for name, v in preset.items():
+        check_choice("corrections", name, CORRECTION_FIELDS)
+        given = getattr(corrections, name)
+        if (corrections.is_cap_given if name == "is_cap" else given != getattr(default, name)) and given != v:
+            raise SpecError(name, f"mode {mode.name!r} sets it to {v!r} from its thresholds ({mode.doc}); "
+                                  f"leave it unset, or choose another mode")
+    return replace(corrections, **preset)
+
+
 def _spec(name: str, value, cls):
     """``value`` as an instance of ``cls`` (None: the default one); anything else is refused."""
     if value is None:
@@ -224,8 +241,9 @@ class PolicyLoss:
         check_choice("anchor", self.anchor, ANCHORS)
         object.__setattr__(self, "mask_mode", mode)
         object.__setattr__(self, "thresholds", self.thresholds.resolve(mode))
+        object.__setattr__(self, "corrections", with_preset(self.corrections, mode, self.thresholds))
         if self.anchor == "rollout":
-            self.corrections.check_surrogate(mode.surrogate, dual_clip=self.thresholds.dual_clip)
+            check_corrections(mode.surrogate, self.corrections, dual_clip=self.thresholds.dual_clip, mode=mode.name)
         elif self.corrections.is_level is None and self.corrections.is_cap_given:
             raise SpecError("is_cap", "bounds the IS weight pi_old/mu, and is_level=None applies none, so it would "
                                       "be ignored; set is_level='token' or 'sequence', or remove is_cap")
@@ -419,9 +437,10 @@ def _weights(spec: PolicyLoss, lead, response_mask, dtype, **given) -> dict[str,
     """``is_weights`` / ``loss_weights`` of :func:`loss_from_stats`, checked and detached."""
     mode = spec.mask_mode
     if given["is_weights"] is not None:
-        if mode.surrogate != "dppo" and not spec.anchored:
+        if not SURROGATES[mode.surrogate].takes_is_weight and not spec.anchored:
+            takers = [n for n, s in SURROGATES.items() if s.takes_is_weight]
             raise SpecError("is_weights", f"mode {mode.name!r} uses the {mode.surrogate} surrogate, whose ratio is "
-                                          "its weight; only the dppo surrogates take an IS weight")
+                                          f"its weight; only the {', '.join(takers)} surrogates take an IS weight")
         if not spec.corrections.default_weight:
             raise SpecError("is_weights", "replaces the token IS weight min(r, is_cap), but the corrections compute "
                                           f"another weight ({spec.corrections}); give one of the two")
@@ -443,14 +462,17 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
     the surrogate, the aggregation, the metrics (``adv`` 0 on padding). With ``behaviour``
     (anchor ``old``) the statistics are against pi_old and the corrections read pi_old/mu."""
     mode, th, corr_spec, valid = spec.mask_mode, spec.thresholds, spec.corrections, stats.valid
+    sur = SURROGATES[mode.surrogate]
     res = decide(stats, adv, mode, spec.estimator, th)
     lead = tuple(valid.shape)
     seq = lead if len(lead) == 2 else (1, -1)  # (B, T); a flat batch is one sequence
-    corr_lr = stats.log_ratio if behaviour is None else behaviour.log_ratio
-    corr = apply_corrections(corr_spec, corr_lr.reshape(seq), adv.reshape(seq), valid.reshape(seq),
-                             surrogate="dppo" if behaviour is not None else mode.surrogate)
-    weight = None if corr.weight is None else corr.weight.reshape(lead)
-    ck = corr.keep.reshape(lead)
+    weight, ck, corr_metrics = None, torch.ones_like(valid), {}  # the default token TIS: the surrogate's own
+    if behaviour is not None or corr_spec.active:
+        corr_lr = stats.log_ratio if behaviour is None else behaviour.log_ratio
+        corr = apply_corrections(corr_spec, corr_lr.reshape(seq), adv.reshape(seq), valid.reshape(seq),
+                                 weighted=behaviour is not None or sur.takes_is_weight)
+        weight = None if corr.weight is None else corr.weight.reshape(lead)
+        ck, corr_metrics = corr.keep.reshape(lead), corr.metrics
     keep = res.keep & ck
     w_beh = None  # anchored: the detached behaviour weight w(pi_old / mu) on every surrogate
     if behaviour is not None:
@@ -465,13 +487,13 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
             w_beh = w_given
     if w_beh is not None:
         w_beh = torch.where(valid, w_beh, torch.zeros_like(w_beh)).to(stats.logp.dtype)
-        if mode.surrogate == "dppo":  # w(rho) min(r', C): anchor = mu gives today's min(r, C)
-            weight = w_beh * is_weight(floor_neginf(stats.log_ratio), corr_spec.is_cap)
-    if mode.surrogate == "smooth":  # its weight (a correction has none here: check_surrogate)
+        if sur.takes_is_weight:  # w(rho) clip(r', floor, C): anchor = mu gives today's weight
+            weight = w_beh * ratio_weight(floor_neginf(stats.log_ratio), corr_spec)
+    if sur.needs_weight:  # its smooth weight (a correction has none here: check_corrections)
         weight = res.weight
-    per, keep_eff = _token_loss(stats.logp, stats.log_ratio, adv, keep, mode.surrogate, corr_spec.is_cap, th.eps_low,
+    per, keep_eff = _token_loss(stats.logp, stats.log_ratio, adv, keep, sur, corr_spec.is_cap, th.eps_low,
                                 th.eps_high, weight, th.dual_clip, th.delta_low, th.delta_high, stats.sampled_logprob)
-    if w_beh is not None and mode.surrogate != "dppo":
+    if w_beh is not None and not sur.takes_is_weight:
         per = per * w_beh
     # A correction removes the token from the loss in every surrogate (ppo-clip keeps the
     # constant value of a clipped token, but a rejected one contributes nothing).
@@ -481,7 +503,7 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
     keep_eff = keep_eff & ck
     loss = aggregate(per.reshape(seq), valid.reshape(seq), agg, validate=False)
     metrics = mask_metrics(res, keep_eff, stats, adv, valid)
-    metrics.update(corr.metrics)
+    metrics.update(corr_metrics)
     if is_weights is not None and behaviour is None:
         metrics["is_weight_mean"] = masked_mean(weight, valid).detach()
         metrics["masked_frac_is"] = ((weight <= 0) & valid).sum().to(weight.dtype).div(valid.sum().clamp(min=1)).detach()
@@ -489,6 +511,16 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
         metrics.update(anchor_metrics(behaviour, w_beh, adv, valid, th.delta_low, th.delta_high))
     metrics["loss"] = loss.detach()
     return PolicyLossOutput(loss, metrics, per, keep_eff | ~valid, stats)
+
+
+def ratio_weight(log_ratio: torch.Tensor, corrections: Corrections) -> torch.Tensor:
+    """An anchored loss's ratio part of the IS weight, ``r' = pi/pi_old``: ``min(r', C)``, and
+    ``clip(r', is_floor, C)`` when the corrections truncate from below (``cispo``), computed as
+    :func:`pdmask.importance_weights` truncates, so that anchor = mu gives today's weight."""
+    c = corrections
+    if c.is_floor is None or c.is_mask:
+        return is_weight(log_ratio, c.is_cap)
+    return log_ratio.detach().clamp(max=MAX_LOG_RATIO).exp().clamp(min=c.is_floor, max=c.is_cap)
 
 
 # ------------------------------------------------------------------ functions

@@ -5,32 +5,27 @@ for ``A > 0``, ``D > delta_low`` for ``A < 0``; ``grpo``: ``r`` outside ``[1 - e
 1 + eps_high]``) and its update is **outward** (:func:`outward`: ``A * direction > 0``, the
 direction ``log r`` for :func:`ratio_sign`, ``Ddot`` for :func:`predictive`). A mode is data,
 registered by name; its ``extras`` are per-token tensors the caller supplies
-(``policy_loss(..., extras=...)``; :mod:`pdmask.lab.batchmask` registers its modes so).
-Surrogates (:func:`token_loss`; ``r = pi_k / mu_k``, ``delta`` by the sign of A)::
-
-    dppo      -M sg(min(r, C)) A log pi_k                  C = is_cap   (DPPO, METHOD.md section 2)
-    ppo-clip  max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), -A C' where A < 0, r > C' (dual clip)
-    drpo      -A r + |A| mu_k (r - 1)^2 / (2 delta)         (DRPO, UniRL's unirl/algorithms/drpo.py)
-    spo       -A r + |A| (r - 1)^2 / (2 delta)              (SPO, arXiv 2401.16025)
-    smooth    -A sg(w) r,   w = 1 - sign(A Ddot) D / delta   (the smooth predictive weight)
-
-The last three mask nothing: their gradient is ``-A w r grad log pi_k`` (:func:`smooth_weight`,
-METHOD.md section 2b), ``r`` clamped to ``exp(±RATIO_LOG_BOUND)``.
+(``policy_loss(..., extras=...)``; :mod:`pdmask.lab.batchmask` registers its modes so); its
+surrogate is a name in :data:`pdmask.surrogates.SURROGATES` (the per-token loss forms, registered
+objects too); its ``corrections`` preset sets its IS weight from the thresholds (``cispo``).
+A smooth surrogate (``drpo``, ``spo``, ``smooth``) masks nothing: the region is the weight
+``1 - sign(A * direction) * D / delta`` on the gradient (:func:`smooth_weight`, METHOD.md section 2b).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
-from ._validate import Checks, SpecError, check_choice, check_positive
-from .corrections import RULE_LOG_BOUND, is_weight
-from .divergences import floor_neginf
+from ._validate import SpecError, check_choice, check_positive
+from .divergences import default_delta
 from .keys import DDOT_KEY, DIVERGENCES, ESTIMATORS, SUPPORTS
-from .stats import MAX_LOG_RATIO
+from .surrogates import (  # noqa: F401  (re-exported: the surrogates' names as masks held them before)
+    RATIO_LOG_BOUND, SMOOTH_SURROGATES, SURROGATES, Surrogate, advantage_limit, bounded_ratio, delta_by_sign,
+    register_surrogate, token_loss,
+)
 
 Stats = Mapping[str, torch.Tensor]
 
@@ -39,7 +34,7 @@ Stats = Mapping[str, torch.Tensor]
 class Thresholds:
     """Trust-region thresholds: ``delta_low`` / ``delta_high`` of the divergence regions
     (A < 0 / A > 0) and the smooth surrogates' scale (None: the mode's ``default_delta``,
-    0.05 for KL, 0.15 for TV; inf: never out); ``eps_low`` / ``eps_high``, grpo's ratio clip
+    its divergence's: :func:`pdmask.divergences.default_delta`; inf: never out); ``eps_low`` / ``eps_high``, grpo's ratio clip
     (clip-higher: ``eps_high = 0.28``; ``eps_low < 1``); ``dual_clip``, grpo's dual-clip
     constant C > 1 (verl's ``clip_ratio_c``; None: ``Corrections.is_cap``, the one setting the
     two were before; :meth:`resolve` refuses it for the other surrogates)."""
@@ -67,9 +62,10 @@ class Thresholds:
     def resolve(self, mode: "MaskMode") -> "Thresholds":
         """These thresholds with a None delta replaced by the mode's default (a ``dual_clip``
         for a mode without the ``ppo-clip`` surrogate is refused: it would do nothing)."""
-        if self.dual_clip is not None and mode.surrogate != "ppo-clip":
-            raise SpecError("dual_clip", f"applies to the ppo-clip surrogate (grpo) only; mode {mode.name!r} uses "
-                                         f"the {mode.surrogate} surrogate, which has no dual clip; remove dual_clip")
+        if self.dual_clip is not None and "dual_clip" not in SURROGATES[mode.surrogate].accepts:
+            takers = [s for s, d in SURROGATES.items() if "dual_clip" in d.accepts]
+            raise SpecError("dual_clip", f"applies to the {', '.join(takers)} surrogate (grpo) only; mode {mode.name!r} "
+                                         f"uses the {mode.surrogate} surrogate, which has no dual clip; remove dual_clip")
         if self.delta_low is not None and self.delta_high is not None:
             return self
         dl = mode.default_delta if self.delta_low is None else self.delta_low
@@ -83,12 +79,6 @@ def resolve_thresholds(thresholds: Thresholds | None, mode: MaskMode) -> Thresho
 
 
 Region = Callable[[Stats, torch.Tensor, Thresholds], torch.Tensor]
-#: Surrogates a mode may name (see :func:`token_loss`).
-SURROGATES = ("dppo", "ppo-clip", "drpo", "spo", "smooth")
-#: Surrogates whose trust region is a smooth weight on the gradient, not a 0/1 mask: DRPO,
-#: SPO and the smooth predictive weight (:func:`smooth_weight`). Like ``ppo-clip`` their ratio
-#: pi/mu keeps its gradient and is the token IS weight.
-SMOOTH_SURROGATES = ("drpo", "spo", "smooth")
 #: Parts of the statistics a mode may need: the rollout's top-K, its full logits.
 NEEDS = ("topk", "full")
 Direction = Callable[[Stats, str], torch.Tensor]
@@ -106,11 +96,6 @@ def outward(direction: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     return advantages * direction > 0
 
 
-def delta_by_sign(advantages: torch.Tensor, delta_low: float, delta_high: float) -> torch.Tensor:
-    """``delta_high`` where ``A > 0``, else ``delta_low``: the scale of a smooth surrogate."""
-    return torch.where(advantages > 0, torch.full_like(advantages, delta_high), torch.full_like(advantages, delta_low))
-
-
 def divergence_region(key: str) -> Region:
     """Out of region iff ``stats[key] > delta`` (delta by the sign of A)."""
 
@@ -118,12 +103,17 @@ def divergence_region(key: str) -> Region:
         return beyond_delta(stats[key], adv, th.delta_low, th.delta_high)
 
     region.divergence = key
+    region.reads = "delta"
     return region
 
 
 def ratio_region() -> Region:
     """Out of region iff ``r > 1 + eps_high`` or ``r < 1 - eps_low`` (and A != 0)."""
-    return lambda st, adv, th: (adv != 0) & ((st["ratio"] > 1 + th.eps_high) | (st["ratio"] < 1 - th.eps_low))
+    def region(st, adv, th):
+        return (adv != 0) & ((st["ratio"] > 1 + th.eps_high) | (st["ratio"] < 1 - th.eps_low))
+
+    region.reads = "eps"
+    return region
 
 
 def ratio_deviation_region() -> Region:
@@ -147,10 +137,14 @@ def predictive(divergence: str) -> Direction:
 class MaskMode:
     """A named trust-region mask (module docstring). ``divergence``: the one it reports, whose
     predictive direction the disagreement diagnostic compares with the ratio's (``binary_kl``
-    stands in without top-K); ``surrogate`` one of :data:`SURROGATES`; ``needs`` parts of the
-    statistics (:data:`NEEDS`); ``default_delta`` when the caller gives none; ``extras``
-    names of the per-token tensors the caller passes as ``extras={name: (B, T) tensor}``
-    (the extension point); ``supports`` the supports of the top-K divergences it works on."""
+    stands in without top-K); ``surrogate`` a name in :data:`SURROGATES`; ``needs`` parts of the
+    statistics (:data:`NEEDS`); ``default_delta`` when the caller gives none (None: its region's
+    divergence's, :func:`pdmask.divergences.default_delta`); ``extras`` names of the per-token
+    tensors the caller passes as ``extras={name: (B, T) tensor}`` (the extension point);
+    ``supports`` the supports of the top-K divergences it works on; ``corrections`` a preset:
+    ``thresholds -> {Corrections field: value}``, what the mode sets of its corrections
+    (``cispo``: the IS weight clip(r, 1 - eps_low, 1 + eps_high)); ``reads_eps`` that preset reads
+    eps."""
 
     name: str
     region: Region
@@ -158,10 +152,26 @@ class MaskMode:
     divergence: str
     surrogate: str = "dppo"
     needs: frozenset = field(default_factory=frozenset)
-    default_delta: float = 0.05
+    default_delta: float | None = None
     doc: str = ""
     extras: tuple = ()
     supports: tuple = SUPPORTS
+    corrections: Callable[[Thresholds], dict] | None = None
+    reads_eps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.default_delta is None:  # its region's divergence's (an unknown one: check_mode says so)
+            div = getattr(self.region, "divergence", None) or self.divergence
+            if div in DIVERGENCES:
+                object.__setattr__(self, "default_delta", default_delta(div))
+
+    @property
+    def reads(self) -> frozenset:
+        """The thresholds it reads: ``delta`` (a divergence or deviation region, a scale),
+        ``eps`` (the ratio clip, a preset), ``dual_clip``."""
+        out = {getattr(self.region, "reads", "delta")}
+        out |= SURROGATES[self.surrogate].accepts & {"delta", "eps", "dual_clip"}
+        return frozenset(out | ({"eps"} if self.reads_eps else set()))
 
 
 MODES: dict[str, MaskMode] = {}
@@ -186,9 +196,15 @@ def check_mode(mode: MaskMode) -> None:
                                      f"got {mode.direction!r}")
     check_choice("divergence", mode.divergence, DIVERGENCES)
     check_choice("surrogate", mode.surrogate, SURROGATES)
-    if mode.surrogate == "smooth" and (getattr(mode.region, "divergence", None) is None or mode.direction is None):
-        raise SpecError("surrogate", f"'smooth' (mode {mode.name!r}) weighs by the region's divergence and the "
-                                     "direction test: it needs a divergence_region(...) and a direction")
+    needs = SURROGATES[mode.surrogate].mode_needs
+    if ("divergence_region" in needs and getattr(mode.region, "divergence", None) is None) or \
+            ("direction" in needs and mode.direction is None):
+        raise SpecError("surrogate", f"{mode.surrogate!r} (mode {mode.name!r}) weighs by the region's divergence "
+                                     "and the direction test: it needs a divergence_region(...) and a direction")
+    check_positive("default_delta", mode.default_delta)
+    if mode.corrections is not None and not callable(mode.corrections):
+        raise SpecError("corrections", f"mode {mode.name!r}: a preset is a callable thresholds -> "
+                                       f"{{field: value}}, got {mode.corrections!r}")
     for need in mode.needs:
         check_choice("needs", need, NEEDS)
     for s in mode.supports:
@@ -207,39 +223,41 @@ def get_mode(name: str) -> MaskMode:
 
 
 _TOPK, _FULL = frozenset({"topk"}), frozenset({"full"})
+
+
+def cispo_corrections(th: Thresholds) -> dict:
+    """``cispo``'s IS weight, CISPO's (MiniMax-M1, eq. 5; verl 0.9.1's ``compute_policy_loss_cispo``):
+    ``sg(clip(r, 1 - eps_low, 1 + eps_high))`` on ``-A log pi_k``, every token kept."""
+    return {"is_level": "token", "is_cap": 1 + th.eps_high, "is_floor": 1 - th.eps_low, "is_mask": False}
+
+
 for _m in [
     MaskMode("grpo", ratio_region(), ratio_sign(), "topk_kl", surrogate="ppo-clip",
              doc="PPO/GRPO ratio clip [1-eps_low, 1+eps_high] (clip-higher: raise eps_high)"),
     MaskMode("none", divergence_region("topk_kl"), None, "topk_kl",
              doc="IS-weighted policy gradient, no trust region (regions reported only)"),
+    MaskMode("cispo", divergence_region("topk_kl"), None, "topk_kl", corrections=cispo_corrections, reads_eps=True,
+             doc="CISPO: none with the IS weight clip(r, 1-eps_low, 1+eps_high) (verl's cispo; TRL's: none, is_cap)"),
     MaskMode("dppo-binary-tv", divergence_region("binary_tv"), ratio_sign(), "binary_tv",
-             default_delta=0.15, doc="DPPO: |pi_k - mu_k| > delta, ratio direction"),
+             doc="DPPO: |pi_k - mu_k| > delta, ratio direction"),
     MaskMode("dppo-binary-kl", divergence_region("binary_kl"), ratio_sign(), "binary_kl",
              doc="DPPO: Bernoulli KL of the sampled token > delta, ratio direction"),
-    MaskMode("dppo-topk-kl", divergence_region("topk_kl"), ratio_sign(), "topk_kl", needs=_TOPK,
-             doc="DPPO: top-K KL > delta, ratio direction"),
-    MaskMode("dppo-topk-tv", divergence_region("topk_tv"), ratio_sign(), "topk_tv", needs=_TOPK,
-             default_delta=0.15, doc="DPPO: top-K TV > delta, ratio direction"),
-    MaskMode("pdm-topk-kl", divergence_region("topk_kl"), predictive("topk_kl"), "topk_kl", needs=_TOPK,
-             doc="predictive mask: top-K KL > delta and A*Ddot > 0"),
-    MaskMode("pdm-topk-tv", divergence_region("topk_tv"), predictive("topk_tv"), "topk_tv", needs=_TOPK,
-             default_delta=0.15, doc="predictive mask: top-K TV > delta and A*Ddot > 0"),
+    *(MaskMode(f"dppo-{d.replace('_', '-')}", divergence_region(d), ratio_sign(), d, needs=_TOPK,
+               doc=f"DPPO: top-K {d[5:].upper()} > delta, ratio direction") for d in ("topk_kl", "topk_tv", "topk_js")),
+    *(MaskMode(f"pdm-{d.replace('_', '-')}", divergence_region(d), predictive(d), d, needs=_TOPK,
+               doc=f"predictive mask: top-K {d[5:].upper()} > delta and A*Ddot > 0") for d in ("topk_kl", "topk_tv", "topk_js")),
     MaskMode("pdm-full-kl", divergence_region("full_kl"), predictive("full_kl"), "full_kl", needs=_FULL,
              doc="predictive mask on the full-vocabulary KL (needs rollout_logits)"),
     MaskMode("pdm-full-tv", divergence_region("full_tv"), predictive("full_tv"), "full_tv", needs=_FULL,
-             default_delta=0.15, doc="predictive mask on the full-vocabulary TV (needs rollout_logits)"),
+             doc="predictive mask on the full-vocabulary TV (needs rollout_logits)"),
     # smooth trust regions: no mask, a weight 1 - sign(A * direction) * D / delta on the gradient
     MaskMode("drpo", divergence_region("binary_tv"), ratio_sign(), "binary_tv", surrogate="drpo",
-             default_delta=0.15,
              doc="DRPO: -A r + |A| mu_k (r-1)^2 / (2 delta); weight 1 - sign(A(r-1)) |pi_k - mu_k| / delta, no mask"),
     MaskMode("spo", ratio_deviation_region(), ratio_sign(), "topk_kl", surrogate="spo", default_delta=0.2,
              doc="SPO: -A r + |A| (r-1)^2 / (2 delta); weight 1 - sign(A(r-1)) |r - 1| / delta, no mask"),
-    MaskMode("pdm-smooth-topk-kl", divergence_region("topk_kl"), predictive("topk_kl"), "topk_kl",
-             surrogate="smooth", needs=_TOPK,
-             doc="smooth predictive weight (experimental): 1 - sign(A*Ddot) topk_kl / delta, no mask"),
-    MaskMode("pdm-smooth-topk-tv", divergence_region("topk_tv"), predictive("topk_tv"), "topk_tv",
-             surrogate="smooth", needs=_TOPK, default_delta=0.15,
-             doc="smooth predictive weight (experimental): 1 - sign(A*Ddot) topk_tv / delta, no mask"),
+    *(MaskMode(f"pdm-smooth-{d.replace('_', '-')}", divergence_region(d), predictive(d), d, surrogate="smooth",
+               needs=_TOPK, doc=f"smooth predictive weight (experimental): 1 - sign(A*Ddot) {d} / delta, no mask")
+      for d in ("topk_kl", "topk_tv")),
 ]:
     register_mode(_m)
 
@@ -283,7 +301,7 @@ def smooth_weight(stats: Stats, advantages: torch.Tensor, mode, *, estimator: st
         w = 1 - torch.sign(A * st["ddot_topk_kl_exact"]) * st["topk_kl"] / torch.where(A > 0, dh, dl)
     """
     mode = get_mode(mode)
-    if mode.surrogate not in SMOOTH_SURROGATES:
+    if SURROGATES[mode.surrogate].smooth is None:
         raise SpecError("mode", f"{mode.name!r} uses the {mode.surrogate} surrogate, which has no smooth weight; "
                                 f"the smooth ones are: {', '.join(SMOOTH_SURROGATES)}")
     check_choice("estimator", estimator, ESTIMATORS)
@@ -292,12 +310,7 @@ def smooth_weight(stats: Stats, advantages: torch.Tensor, mode, *, estimator: st
 
 def _smooth_weight(stats: Stats, advantages, mode: MaskMode, estimator: str, th: Thresholds) -> torch.Tensor:
     adv = advantages.to(stats["log_ratio"].dtype)
-    if mode.surrogate == "spo":
-        dist, direction = (stats["ratio"] - 1).abs(), stats["log_ratio"]
-    elif mode.surrogate == "drpo":
-        dist, direction = stats["binary_tv"], stats["log_ratio"]
-    else:
-        dist, direction = stats[mode.region.divergence], mode.direction(stats, estimator)
+    dist, direction = SURROGATES[mode.surrogate].smooth(stats, mode, estimator)
     delta = delta_by_sign(adv, th.delta_low, th.delta_high)
     return (1 - torch.sign(adv * direction) * dist.to(adv.dtype) / delta).detach()
 
@@ -326,114 +339,7 @@ def decide(stats: Stats, advantages: torch.Tensor, mode: MaskMode, estimator: st
     out_dir = outward(mode.direction(stats, estimator), adv) if mode.direction is not None else torch.zeros_like(out)
     keep = ~(out & out_dir)
     weight = None
-    if mode.surrogate in SMOOTH_SURROGATES:  # the trust region is the weight: nothing is masked
+    if SURROGATES[mode.surrogate].smooth is not None:  # the trust region is the weight: nothing is masked
         keep = torch.ones_like(keep)
         weight = _smooth_weight(stats, adv, mode, estimator, thresholds)
     return MaskResult(keep, out, out_dir, ratio_out, pred_out, stats[div].detach(), weight)
-
-
-# ------------------------------------------------------------------ surrogates
-#: |log r| bound of the smooth surrogates' ratio (UniRL clamps its DRPO/SPO ratio here, verl
-#: its rollout corrections): the value of :data:`pdmask.corrections.RULE_LOG_BOUND`.
-RATIO_LOG_BOUND = RULE_LOG_BOUND
-
-
-def bounded_ratio(logp: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """``r = pi_k / mu_k`` with value ``exp(clamp(log r, ±RATIO_LOG_BOUND))`` and gradient
-    ``r grad log pi_k`` inside the bound (0 beyond): UniRL's
-    ``exp(clamp(new_logp - old_logp, -20, 20))`` from the detached ``log_ratio``."""
-    return (logp - logp.detach() + log_ratio.detach()).clamp(-RATIO_LOG_BOUND, RATIO_LOG_BOUND).exp()
-
-
-def token_loss(logp: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, *,
-               surrogate: str = "dppo", is_cap: float = 5.0, eps_low: float = 0.2, eps_high: float = 0.2,
-               weight: torch.Tensor | None = None, dual_clip: float | None = None, delta_low: float | None = None,
-               delta_high: float | None = None, rollout_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Per-token surrogate (module docstring) of the differentiable ``logp`` (log pi_k), the
-    detached ``log_ratio``, the advantages and the ``keep`` mask, all one shape, and the
-    effective keep mask (the dual clip masks more); masked tokens give exactly 0, gradient 0. ``weight``: ``dppo``'s IS weight
-    in place of ``min(r, is_cap)`` (a correction's), ``smooth``'s ``w`` (:func:`smooth_weight`);
-    ``dual_clip`` None: ``is_cap``; ``delta_*``: the scale of ``drpo`` / ``spo``;
-    ``rollout_logp``: ``log mu_k`` for ``drpo`` (None: ``logp - log_ratio``)."""
-    check_choice("surrogate", surrogate, SURROGATES)
-    if weight is not None and surrogate not in ("dppo", "smooth"):
-        raise SpecError("weight", f"the {surrogate} surrogate takes no separate IS weight (its ratio is the weight)")
-    if weight is None and surrogate == "smooth":
-        raise SpecError("weight", "the smooth surrogate needs its weight w (pdmask.masks.smooth_weight)")
-    if surrogate in ("drpo", "spo") and (delta_low is None or delta_high is None):
-        raise SpecError("delta_low / delta_high", f"the {surrogate} surrogate needs its scale delta")
-    return _token_loss(logp, log_ratio, advantages, keep, surrogate, is_cap, eps_low, eps_high, weight, dual_clip,
-                       delta_low, delta_high, rollout_logp)
-
-
-def _token_loss(logp, log_ratio, advantages, keep, surrogate, is_cap, eps_low, eps_high, weight, dual_clip,
-                delta_low, delta_high, rollout_logp):
-    """:func:`token_loss` on arguments already checked (a :class:`pdmask.PolicyLoss`'s)."""
-    adv = advantages.to(logp.dtype)
-    # A sampled token the trainer gives probability exactly 0 (a -inf logit): its value is
-    # floored so that 0 * inf cannot appear; its gradient is 0 (the logit cannot move).
-    logp = floor_neginf(logp)
-    log_ratio = floor_neginf(log_ratio)
-    if surrogate == "dppo":
-        w = is_weight(log_ratio, is_cap) if weight is None else weight.detach().to(logp.dtype)
-        per = -w * adv * logp
-        return torch.where(keep, per, torch.zeros_like(per)), keep
-    if surrogate == "ppo-clip":
-        cap = is_cap if dual_clip is None else dual_clip
-        # r with value exp(log_ratio) and gradient r * grad(log pi_k)
-        r = (logp - logp.detach() + log_ratio.detach()).clamp(max=MAX_LOG_RATIO).exp()
-        per = torch.maximum(-adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high))
-        dual = (adv < 0) & (r.detach() > cap)  # never true when the cap is inf
-        if math.isfinite(cap):
-            per = torch.where(dual, -adv * cap, per)
-        # Clipped tokens keep their (constant) PPO value; their gradient is 0.
-        return per, keep & ~dual
-    r = bounded_ratio(logp, log_ratio)
-    if surrogate == "smooth":
-        per = -adv * weight.detach().to(logp.dtype) * r
-    else:
-        delta = delta_by_sign(adv, delta_low, delta_high)
-        if surrogate == "drpo":
-            lmu = (logp.detach() - log_ratio) if rollout_logp is None else floor_neginf(rollout_logp.detach())
-            penalty = lmu.to(logp.dtype).exp() * (r - 1).square()
-        else:  # spo
-            penalty = (r - 1).square()
-        per = -adv * r + adv.abs() * penalty / (2 * delta)
-    return torch.where(keep, per, torch.zeros_like(per)), keep
-
-
-def advantage_limit(surrogate: str, is_cap: float, dtype: torch.dtype, *, delta: float | None = None) -> float:
-    """The largest ``sum |A|`` over the response tokens for which the loss cannot overflow
-    ``dtype`` (:func:`pdmask.policy_loss` refuses larger ones rather than return inf/NaN). A
-    token's loss is ``|A|`` times at most ``W``: ``dppo`` ``is_cap`` (or ``exp(MAX_LOG_RATIO)``)
-    times ``|log tiny|``; ``ppo-clip`` ``exp(MAX_LOG_RATIO)``; with ``R = exp(RATIO_LOG_BOUND)``
-    and ``delta`` the smallest scale, ``drpo`` ``R (1 + 1 / (2 delta))``, ``spo`` ``R + R^2 /
-    (2 delta)``, ``smooth`` ``R (1 + |log tiny| / delta)`` (a floored KL is at most ``|log tiny|``)."""
-    fi = torch.finfo(dtype)
-    lp = -math.log(fi.tiny)
-    if surrogate in SMOOTH_SURROGATES:
-        if delta is None:
-            raise SpecError("delta", f"the {surrogate} surrogate's bound needs its smallest scale delta")
-        big = math.exp(RATIO_LOG_BOUND)
-        w = {"drpo": big * (1 + 1 / (2 * delta)), "spo": big + big * big / (2 * delta),
-             "smooth": big * (1 + lp / delta)}[surrogate]
-        return fi.max / w
-    cap = is_cap if math.isfinite(is_cap) else math.exp(MAX_LOG_RATIO)
-    w, lp = (math.exp(MAX_LOG_RATIO), 1.0) if surrogate == "ppo-clip" else (cap, lp)
-    return fi.max / (w * lp)
-
-
-def check_advantage_scale(checks: Checks, adv, valid, dtype: torch.dtype, surrogate: str, is_cap: float,
-                          delta: float | None = None, behaviour_cap: float | None = None) -> None:
-    """``sum |A|`` within :func:`advantage_limit` of the loss's dtype (``dtype`` promoted to float32),
-    divided by ``behaviour_cap`` (an anchored loss's bound on its behaviour weight) when given."""
-    dtype = torch.promote_types(dtype, torch.float32)
-    limit = advantage_limit(surrogate, is_cap, dtype, delta=delta)
-    if behaviour_cap is not None:
-        limit = limit / (behaviour_cap if math.isfinite(behaviour_cap) else math.exp(MAX_LOG_RATIO))
-    total = torch.where(valid, adv.detach().double().abs(), torch.zeros((), dtype=torch.float64,
-                                                                               device=adv.device)).sum()
-    what = f"is_cap={is_cap:g}" if surrogate in ("dppo", "ppo-clip") else f"delta={delta:g}"
-    checks.add("advantages", f"sum of |A| over the response tokens exceeds {limit:.3g}, beyond which the "
-               f"{str(dtype).removeprefix('torch.')} loss ({surrogate} surrogate, {what}) could "
-               "overflow to inf/NaN; scale the advantages down (normalise them)", total > limit)

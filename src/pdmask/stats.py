@@ -16,15 +16,13 @@ import torch
 from . import divergences as dv
 from . import ops
 from ._validate import Checks, SpecError, check_choice, prepare
-from .keys import DDOT_KEY, ESTIMATORS, SUPPORTS, TOPK_DIVERGENCES
+from .keys import DDOT_KEY, SUPPORTS, TOPK_DDOTS, TOPK_DIVERGENCES
 from .rollout import Rollout
 
 #: Cap on every exponentiated log-ratio: ``r = exp(min(log r, MAX_LOG_RATIO))`` in the
 #: ``ratio`` statistic, the IS weight ``min(r, C)`` and the PPO ratio of the loss
 #: (exp(50) ~ 5e21: finite in float32 even times an advantage and a floored log pi_k).
 MAX_LOG_RATIO = 50.0
-#: stat name of a top-K Ddot -> (divergence, estimator)
-TOPK_DDOTS = {DDOT_KEY[d, e]: (d, e) for d in TOPK_DIVERGENCES for e in ESTIMATORS}
 
 
 def capped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -33,19 +31,23 @@ def capped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(obj) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)}
+    """A part's tensors by stat name (a top-K part's ``values`` by their divergence's name)."""
+    out = dict(obj.values) if isinstance(obj, TopKStats) else {}
+    out.update({f.name: getattr(obj, f.name) for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)})
+    return out
 
 
 @dataclass(frozen=True, eq=False)
 class TopKStats:
-    """The top-K part: ``topk_kl``, ``topk_tv`` on the support ``S'`` with one tail bucket;
-    ``rollout_tail_mass`` (mu_T), ``policy_tail_mass`` (pi_T), ``tail_clamped`` (sum of mu on
-    the support exceeded 1 by rounding), ``sampled_in_topk``. :meth:`ddot` is computed from
-    ``support`` when first read (a mode reads one of the eight); a part made elsewhere
-    (:meth:`from_dict`) carries the ones it was given."""
+    """The top-K part: ``values``, every registered top-K divergence (``topk_kl``, ``topk_tv``,
+    ..., :data:`pdmask.keys.TOPK_DIVERGENCES`) on the support ``S'`` with one tail bucket, by
+    name (also read as attributes: ``part.topk_kl``); ``rollout_tail_mass`` (mu_T),
+    ``policy_tail_mass`` (pi_T), ``tail_clamped`` (sum of mu on the support exceeded 1 by
+    rounding), ``sampled_in_topk``. :meth:`ddot` is computed from ``support`` when first read
+    (a mode reads one of them); a part made elsewhere (:meth:`from_dict`) carries the ones it
+    was given."""
 
-    topk_kl: torch.Tensor
-    topk_tv: torch.Tensor
+    values: Mapping[str, torch.Tensor]
     rollout_tail_mass: torch.Tensor
     policy_tail_mass: torch.Tensor
     tail_clamped: torch.Tensor
@@ -53,35 +55,53 @@ class TopKStats:
     support: dv.Support | None = field(default=None, repr=False)
     ddots: dict = field(default_factory=dict, repr=False)
 
+    def __getattr__(self, name: str) -> torch.Tensor:
+        values = self.__dict__.get("values") or {}
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
     def ddot(self, divergence: str, estimator: str = "exact") -> torch.Tensor:
-        """``Ddot`` of ``topk_kl`` / ``topk_tv`` with a tail estimator (:data:`pdmask.ESTIMATORS`)."""
+        """``Ddot`` of a registered top-K divergence with a tail estimator (:data:`pdmask.ESTIMATORS`)."""
         key = DDOT_KEY[divergence, estimator]
         if key not in self.ddots:
             if self.support is None:
                 raise KeyError(key)
-            fn = dv.ddot_topk_kl if divergence == "topk_kl" else dv.ddot_topk_tv
-            self.ddots[key] = fn(self.support, estimator).reshape(self.topk_kl.shape)
+            shape = self.rollout_tail_mass.shape
+            self.ddots[key] = dv.ddot_topk(self.support, divergence, estimator).reshape(shape)
         return self.ddots[key]
 
     def names(self) -> list[str]:
-        return [k for k in TOPK_NAMES if k not in TOPK_DDOTS or self.support is not None or k in self.ddots]
+        return [k for k in topk_names() if k not in TOPK_DDOTS or self.support is not None or k in self.ddots]
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor of the part by its stat name, each ``Ddot`` computed (to ship it)."""
-        return {k: self.ddot(*TOPK_DDOTS[k]) if k in TOPK_DDOTS else getattr(self, k) for k in self.names()}
+        return {k: self.ddot(*TOPK_DDOTS[k]) if k in TOPK_DDOTS else _tensors(self)[k] for k in self.names()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, torch.Tensor]) -> "TopKStats":
         """The part from :meth:`to_dict`'s entries (the ``Ddot`` ones that are there)."""
-        missing = [k for k in TOPK_NAMES if k not in d and k not in TOPK_DDOTS]
+        missing = [k for k in topk_names() if k not in d and k not in TOPK_DDOTS]
         if missing:
             raise SpecError("stats", f"missing the top-K statistics {', '.join(map(repr, missing))}")
-        return cls(**{k: d[k] for k in TOPK_NAMES if k not in TOPK_DDOTS},
+        return cls({k: d[k] for k in TOPK_DIVERGENCES}, **{k: d[k] for k in TOPK_FIELDS},
                    ddots={k: d[k] for k in TOPK_DDOTS if k in d})
 
 
-#: the stat names of a top-K part: its tensor fields, then its Ddot (what a plugin ships)
-TOPK_NAMES = tuple(f.name for f in fields(TopKStats) if f.name not in ("support", "ddots")) + tuple(TOPK_DDOTS)
+#: the tensor fields of a top-K part besides its divergences' values
+TOPK_FIELDS = tuple(f.name for f in fields(TopKStats) if f.name not in ("values", "support", "ddots"))
+
+
+def topk_names() -> tuple[str, ...]:
+    """The stat names of a top-K part: the registered divergences' values, the part's other
+    tensors, then every ``Ddot`` (what a plugin ships); read from the registry when called."""
+    return (*TOPK_DIVERGENCES, *TOPK_FIELDS, *TOPK_DDOTS)
+
+
+def __getattr__(name: str):
+    if name == "TOPK_NAMES":  # the names as of now (a registration changes them): topk_names()
+        return topk_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,7 +205,10 @@ def _binary(logp: torch.Tensor, sampled_logprob: torch.Tensor, sum_p2: torch.Ten
 
 
 def _shaped(part, lead: tuple):
-    return replace(part, **{k: t.reshape(lead + tuple(t.shape[1:])) for k, t in _tensors(part).items()})
+    shaped = {k: t.reshape(lead + tuple(t.shape[1:])) for k, t in _tensors(part).items()}
+    if isinstance(part, TopKStats):
+        return replace(part, values={k: shaped.pop(k) for k in part.values}, **shaped)
+    return replace(part, **shaped)
 
 
 def _assemble(red: ops.Reductions, batch, support: str) -> TokenStats:
@@ -199,8 +222,8 @@ def _assemble(red: ops.Reductions, batch, support: str) -> TokenStats:
         sup = dv.build_support(batch.sampled_ids, logp_d, rlp, batch.topk_ids, red.topk_logp,
                                batch.topk_logprobs.to(lse.dtype), red.sum_p2, batch.vocab_size,
                                log_pi_tail=red.lse_tail - lse, sum_p2_tail=red.sum_p2_tail, support=support)
-        topk = TopKStats(dv.topk_kl(sup), dv.topk_tv(sup), sup.mu_tail, sup.pi_tail, sup.mu_tail_clamped,
-                         sup.k_col < batch.topk_ids.shape[1], support=sup)
+        topk = TopKStats({name: d.value(sup) for name, d in TOPK_DIVERGENCES.items()}, sup.mu_tail, sup.pi_tail,
+                         sup.mu_tail_clamped, sup.k_col < batch.topk_ids.shape[1], support=sup)
     if red.kept_mass is not None:
         # share of the top-K entries whose membership of the kept set differs between the
         # engine (a -inf processed log-prob: outside) and the trainer's rebuilt set

@@ -52,10 +52,36 @@ def support_mask(topk_ids, sampled_ids, V):
     return m
 
 
+def _term(kind: str, m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """One bucket's term of a divergence D(m || p) = sum_buckets term(m_b, p_b), 0 log 0 = 0."""
+    def xlog(a, b):  # a log(a / b), 0 where a = 0
+        return torch.where(a > 0, a * (torch.log(a.clamp_min(1e-300)) - torch.log(b.clamp_min(1e-300))),
+                           torch.zeros_like(a))
+    if kind == "kl":
+        return xlog(m, p)
+    if kind == "tv":
+        return 0.5 * (m - p).abs()
+    if kind == "js":
+        mid = 0.5 * (m + p)
+        return 0.5 * (xlog(m, mid) + xlog(p, mid))
+    raise KeyError(kind)
+
+
+#: the registered top-K divergences this file restates (an oracle per registration: a new one
+#: fails tests/core/test_closed_forms.py until its oracle is here) -> the kind of _term
+TOPK_ORACLES = {"topk_kl": "kl", "topk_tv": "tv", "topk_js": "js"}
+
+
+def full_divergence_fn(kind: str):
+    """The divergence over the whole vocabulary, ``fn(mu, pi)`` (the top-K one with K = V)."""
+    return lambda mu, pi: _term(kind, mu, pi).sum(-1)
+
+
 def topk_divergence_fn(c, kind: str, *, with_sampled: bool = True):
     """The top-K divergence as a function of the full pi (for autograd): S' = topK ∪ {k} plus one
     tail bucket; ``with_sampled=False``: S = topK only (the sampled token wherever it falls,
-    the DPPO reference's support)."""
+    the DPPO reference's support). ``kind``: kl, tv, js, or a registered name (``topk_js``)."""
+    kind = TOPK_ORACLES.get(kind, kind)
     V = c["logits"].shape[-1]
     S = (support_mask(c["topk_ids"], c["sampled_ids"], V) if with_sampled else
          torch.zeros(c["topk_ids"].shape[0], V, dtype=torch.bool).scatter_(1, c["topk_ids"], True))
@@ -67,13 +93,8 @@ def topk_divergence_fn(c, kind: str, *, with_sampled: bool = True):
     def fn(_mu, pi):
         pi_S = torch.where(S, pi, torch.zeros_like(pi))
         pi_T = torch.where(S, torch.zeros_like(pi), pi).sum(-1)
-        if kind == "kl":
-            body = torch.where(S & (mu_S > 0), mu_S * (torch.log(mu_S.clamp_min(1e-300)) - torch.log(pi)),
-                               torch.zeros_like(pi)).sum(-1)
-            tail = torch.where(mu_T > 0, mu_T * (torch.log(mu_T.clamp_min(1e-300)) - torch.log(pi_T)),
-                               torch.zeros_like(mu_T))
-            return body + tail
-        return 0.5 * ((mu_S - pi_S).abs().sum(-1) + (mu_T - pi_T).abs())
+        body = torch.where(S, _term(kind, mu_S, pi_S), torch.zeros_like(pi)).sum(-1)
+        return body + _term(kind, mu_T, pi_T)
 
     return fn
 

@@ -8,6 +8,9 @@ on ``topK(mu) ∪ {k}`` with one tail bucket (or binary / full), ``Ddot`` by aut
 
     dppo   -M sg(min(rho, C) min(r', C)) A log pi_k
     other  min(rho, C) * surrogate(r')   (PPO clip + dual clip, DRPO with pi_old_k, SPO, smooth)
+
+A mode with a corrections preset bounds both weights as its preset does: ``cispo``
+``clip(rho, 1 - eps_low, 1 + eps_high) clip(r', 1 - eps_low, 1 + eps_high)`` (:data:`PRESETS`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ F64 = torch.float64
 CORE_MODES = [m for m in MODES if not m.startswith("pdm-batch")]
 B, T, V, K = 3, 5, 24, 6
 CAP = 5.0
+#: the IS-weight bounds (floor, cap) of the modes with a corrections preset, from (eps_low, eps_high)
+PRESETS = {"cispo": lambda eps: (1 - eps[0], 1 + eps[1])}
 
 
 def case(seed=0):
@@ -64,13 +69,19 @@ def restated(mode: str, z, z_old, rollout, adv, logmu, delta, eps=(0.2, 0.28)):
             if kind == "kl":
                 return (torch.where(S, qS * (torch.log(q_full) - torch.log(pi)), 0.0).sum(-1)
                         + torch.where(qT > 0, qT * (torch.log(qT.clamp_min(1e-300)) - torch.log(pT)), 0.0))
+            if kind == "js":  # 1/2 KL(q || m) + 1/2 KL(pi || m), m the midpoint, on the same buckets
+                def kl_m(a, b):
+                    return (torch.where(S, a * torch.log(2 * a / (a + b)), 0.0).sum(-1)
+                            + torch.where(S, 0.0, a).sum(-1) * torch.log(2 * torch.where(S, 0.0, a).sum(-1)
+                                                                          / (torch.where(S, 0.0, a + b).sum(-1))))
+                return 0.5 * (kl_m(q_full, pi) + kl_m(pi, q_full))
             return 0.5 * ((qS - pS).abs().sum(-1) + (qT - pT).abs())
         return fn
 
     pk, qk = lp.detach().exp(), lq.exp()
     binary = {"binary_tv": lambda: (pk - qk).abs(),
               "binary_kl": lambda: qk * (lq - lp.detach()) + (1 - qk) * (torch.log1p(-qk) - torch.log1p(-pk))}
-    fns = {"topk_kl": topk("kl"), "topk_tv": topk("tv"),
+    fns = {"topk_kl": topk("kl"), "topk_tv": topk("tv"), "topk_js": topk("js"),
            "full_kl": lambda _m, pi: full_kl_fn(q_full, pi), "full_tv": lambda _m, pi: full_tv_fn(q_full, pi)}
 
     def value(name):
@@ -83,7 +94,8 @@ def restated(mode: str, z, z_old, rollout, adv, logmu, delta, eps=(0.2, 0.28)):
 
     log_r = lp.detach() - lq  # against the anchor
     r = (lp - lq).exp()       # differentiable r'
-    rho_w = (lq - lmu).exp().clamp(max=CAP)
+    floor, cap = PRESETS[mode](eps) if mode in PRESETS else (0.0, CAP)
+    rho_w = (lq - lmu).exp().clamp(min=floor, max=cap)
     dl = dh = delta
     region_div = getattr(m.region, "divergence", None)
     if m.surrogate == "ppo-clip":
@@ -94,10 +106,10 @@ def restated(mode: str, z, z_old, rollout, adv, logmu, delta, eps=(0.2, 0.28)):
         out = (A != 0) & (value(region_div) > delta)
     # the direction test by the mode's name: pdm-* predictive, none without one, the rest the ratio's
     direction = ddot(m.divergence) if mode.startswith("pdm-") else log_r
-    outward = A * direction > 0 if mode != "none" else torch.zeros_like(out)
+    outward = A * direction > 0 if mode not in ("none", "cispo") else torch.zeros_like(out)  # no direction test
     M = ~(out & outward)
     if m.surrogate == "dppo":
-        per = -(rho_w * log_r.exp().clamp(max=CAP)) * A * lp
+        per = -(rho_w * log_r.exp().clamp(min=floor, max=cap)) * A * lp
         per = torch.where(M, per, 0.0)
     elif m.surrogate == "ppo-clip":
         per = torch.maximum(-A * r, -A * r.clamp(1 - eps[0], 1 + eps[1]))
@@ -115,8 +127,9 @@ def restated(mode: str, z, z_old, rollout, adv, logmu, delta, eps=(0.2, 0.28)):
 
 
 def ours(mode, z, z_old, rollout, adv, delta, anchor_logits=None, **kw):
+    corrections = None if mode in PRESETS else pdmask.Corrections(is_cap=CAP)  # a preset sets its own
     spec = pdmask.PolicyLoss(mode=mode, anchor="old", thresholds=pdmask.Thresholds(delta, delta, eps_high=0.28),
-                             corrections=pdmask.Corrections(is_cap=CAP), **kw)
+                             corrections=corrections, **kw)
     z = z.detach().clone().requires_grad_(True)
     r = rollout if "full" in MODES[mode].needs else rollout.replace(logits=None)
     anchor = pdmask.Anchor.from_logits(z_old if anchor_logits is None else anchor_logits, r)
@@ -143,10 +156,15 @@ def test_every_mode_with_the_anchor_equals_the_restatement(mode):
     assert abs(out.metrics["behaviour_weight_mean"].item() - 1) > 1e-3
 
 
+def test_every_preset_mode_has_its_restatement():
+    assert {m for m in CORE_MODES if MODES[m].corrections is not None} == set(PRESETS)
+
+
 @pytest.mark.parametrize("mode", CORE_MODES)
 def test_anchor_equal_to_mu_gives_todays_loss_and_gradient(mode):
     """With ``pi_old = mu`` (the engine's own log-probs as the anchor) the anchored loss is
-    exactly the mu-centred one, bit for bit, with the default corrections."""
+    exactly the mu-centred one, bit for bit, with the default corrections (a preset mode's own:
+    its weight metrics then describe what they weigh, r today and pi_old/mu = 1 anchored)."""
     z, _, rollout, adv, logmu = case(1)
     r = rollout if "full" in MODES[mode].needs else rollout.replace(logits=None)
     th = pdmask.Thresholds(0.05, 0.05, eps_high=0.28)
@@ -161,8 +179,10 @@ def test_anchor_equal_to_mu_gives_todays_loss_and_gradient(mode):
     assert torch.equal(a.loss, b.loss)
     assert torch.equal(z1.grad, z2.grad)
     assert torch.equal(a.mask, b.mask)
+    weight_metrics = ("is_weight_mean", "is_weight_min", "is_weight_max", "is_truncated_frac")
     for k, v in a.metrics.items():
-        assert torch.equal(v, b.metrics[k]), k
+        if not (mode in PRESETS and k in weight_metrics):
+            assert torch.equal(v, b.metrics[k]), k
     assert b.metrics["behaviour_weight_mean"].item() == pytest.approx(1.0)
     assert b.metrics["anchor_divergence_mean"].item() == pytest.approx(0.0, abs=1e-12)
 

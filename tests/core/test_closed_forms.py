@@ -1,11 +1,18 @@
-"""Every closed form against autograd / finite differences in float64."""
+"""Every closed form against autograd / finite differences in float64. The top-K tests run over
+every registered top-K divergence (:data:`pdmask.keys.TOPK_DIVERGENCES`): a divergence is tested
+the moment it is registered, and its value against the restatement in ``helpers.TOPK_ORACLES``."""
 
 import pytest
 import torch
 
-from pdmask.keys import ESTIMATORS
+from pdmask.keys import ESTIMATORS, TOPK_DIVERGENCES
 
-from .helpers import F64, ddot_autograd, full_kl_fn, full_tv_fn, make_case, stats_of, topk_divergence_fn
+from .helpers import (
+    F64, TOPK_ORACLES, ddot_autograd, full_divergence_fn, full_kl_fn, full_tv_fn, make_case, stats_of,
+    topk_divergence_fn,
+)
+
+TOPK = list(TOPK_DIVERGENCES)
 
 SHAPES = [  # (N, V, K, scale, mismatch, peaked_rows)
     (8, 30, 4, 1.5, 0.5, 0),  # generic
@@ -26,11 +33,16 @@ def test_divergence_values_match_direct_formulas(shape, temperature):
     mu = c["logmu"].exp()
     torch.testing.assert_close(st["full_kl"], full_kl_fn(mu, pi), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(st["full_tv"], full_tv_fn(mu, pi), rtol=1e-9, atol=1e-12)
-    for kind in ("kl", "tv"):
-        want = topk_divergence_fn(c, kind)(None, pi)
-        torch.testing.assert_close(st[f"topk_{kind}"], want, rtol=1e-8, atol=1e-12)
+    for name in TOPK:
+        want = topk_divergence_fn(c, name)(None, pi)
+        torch.testing.assert_close(st[name], want, rtol=1e-8, atol=1e-12)
         # Top-K forms are lower bounds of the full divergence (a coarsening of the vocabulary).
-        assert (st[f"topk_{kind}"] <= st[f"full_{kind}"] + 1e-12).all()
+        assert (st[name] <= full_divergence_fn(TOPK_ORACLES[name])(mu, pi) + 1e-12).all()
+
+
+def test_every_registered_divergence_has_its_oracle():
+    """A registration without a restatement of its value in tests/core/helpers.py fails here."""
+    assert set(TOPK) == set(TOPK_ORACLES), set(TOPK) ^ set(TOPK_ORACLES)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -45,15 +57,15 @@ def test_full_ddot_equals_autograd(shape, temperature):
         torch.testing.assert_close(st[f"ddot_full_{name}"], want, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", TOPK)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_exact_topk_ddot_equals_autograd_of_topk_divergence(shape):
+def test_exact_topk_ddot_equals_autograd_of_topk_divergence(shape, name):
     """The exact estimator is the derivative of the very divergence the proximity test uses."""
     N, V, K, sc, mm, pk = shape
     c = make_case(N, V, K, scale=sc, mismatch=mm, peaked_rows=pk, seed=3)
     st = stats_of(c)
-    for kind in ("kl", "tv"):
-        want = ddot_autograd(topk_divergence_fn(c, kind), c["logits"], c["sampled_ids"])
-        torch.testing.assert_close(st[f"ddot_topk_{kind}_exact"], want, rtol=1e-7, atol=1e-11)
+    want = ddot_autograd(topk_divergence_fn(c, name), c["logits"], c["sampled_ids"])
+    torch.testing.assert_close(st[f"ddot_{name}_exact"], want, rtol=1e-7, atol=1e-11)
 
 
 def test_ddot_is_a_directional_derivative_finite_difference():
@@ -66,8 +78,9 @@ def test_ddot_is_a_directional_derivative_finite_difference():
     u[torch.arange(len(k)), k] += 1
     mu = c["logmu"].exp()
     h = 1e-6
-    for name, fn in (("full_kl", lambda p: full_kl_fn(mu, p)),
-                     ("topk_kl_exact", lambda p: topk_divergence_fn(c, "kl")(None, p))):
+    fns = [("full_kl", lambda p: full_kl_fn(mu, p))]
+    fns += [(f"{name}_exact", lambda p, name=name: topk_divergence_fn(c, name)(None, p)) for name in TOPK]
+    for name, fn in fns:
         fd = (fn(torch.softmax(z + h * u, -1)) - fn(torch.softmax(z - h * u, -1))) / (2 * h)
         torch.testing.assert_close(st[f"ddot_{name}"], fd, rtol=1e-5, atol=1e-9)
 
@@ -76,11 +89,14 @@ def test_ddot_is_a_directional_derivative_finite_difference():
 def test_with_k_equal_v_every_estimator_is_the_full_ddot(seed):
     c = make_case(7, 16, 16, seed=seed, scale=2.0)
     st = stats_of(c)
-    for kind in ("kl", "tv"):
+    mu = c["logmu"].exp()
+    for name in TOPK:  # the full-vocabulary derivative: the library's (kl, tv) or autograd's
+        fn = full_divergence_fn(TOPK_ORACLES[name])
+        full = name.replace("topk_", "full_")
+        want = st[f"ddot_{full}"] if full in st else ddot_autograd(fn, c["logits"], c["sampled_ids"], mu)
         for est in ESTIMATORS:
-            torch.testing.assert_close(st[f"ddot_topk_{kind}_{est}"], st[f"ddot_full_{kind}"],
-                                       rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(st[f"topk_{kind}"], st[f"full_{kind}"], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(st[f"ddot_{name}_{est}"], want, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(st[name], fn(mu, torch.softmax(c["logits"], -1)), rtol=1e-9, atol=1e-12)
 
 
 def test_estimators_differ_only_through_the_tail():

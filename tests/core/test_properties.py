@@ -53,7 +53,8 @@ def cases(draw):
 def test_loss_and_gradient_are_always_finite(c):
     logits = c["logits"].clone().requires_grad_(True)
     # the smooth surrogates' ratio is their weight: they take no is_cap
-    cap = {} if pdmask.MODES[c["mode"]].surrogate in SMOOTH_SURROGATES else {
+    # (a preset mode sets its own: cispo's clip(r, 1 - eps_low, 1 + eps_high))
+    cap = {} if pdmask.MODES[c["mode"]].surrogate in SMOOTH_SURROGATES or pdmask.MODES[c["mode"]].corrections else {
         "is_cap": math.inf if c["mode"] == "none" else 5.0}
     out = flat.policy_loss(logits, c["ids"], c["lp"], c["tk"], c["tlp"], c["adv"], c["resp"],
                              mode=c["mode"], loss_agg=c["agg"], estimator=c["est"], support=c["support"],

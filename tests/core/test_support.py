@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.keys import ESTIMATORS
+from pdmask.keys import ESTIMATORS, TOPK_DIVERGENCES
 
 from .helpers import F64, ddot_autograd, make_case, stats_of, topk_divergence_fn
 
@@ -167,11 +167,11 @@ def test_topk_support_values_and_exact_ddot_equal_autograd(shape):
     assert outside.any()  # the rows the support changes
     st = stats_of(c, support=TOPK)
     pi = torch.softmax(c["logits"], -1)
-    for kind in ("kl", "tv"):
-        fn = topk_only_fn(c, kind)
-        torch.testing.assert_close(st[f"topk_{kind}"], fn(None, pi), rtol=1e-9, atol=1e-12)
+    for name in TOPK_DIVERGENCES:  # every registered one, on the support "topk"
+        fn = topk_only_fn(c, name)
+        torch.testing.assert_close(st[name], fn(None, pi), rtol=1e-9, atol=1e-12)
         want = ddot_autograd(fn, c["logits"], c["sampled_ids"])
-        torch.testing.assert_close(st[f"ddot_topk_{kind}_exact"], want, rtol=1e-7, atol=1e-11)
+        torch.testing.assert_close(st[f"ddot_{name}_exact"], want, rtol=1e-7, atol=1e-11)
     # the tail now holds k: pi_T and mu_T include pi_k and mu_k where k is outside
     d = stats_of(c)
     pk_ = c["rollout_logprob"].exp()
