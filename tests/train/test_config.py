@@ -93,20 +93,70 @@ def test_loss_errors_name_the_key_as_written():
             load_config(None, over)
 
 
-def test_to_dict_is_nested_and_round_trips(tmp_path):
+def test_to_dict_is_nested_resolved_and_round_trips(tmp_path):
+    """config.yaml records what the run uses: the mode's default delta and the IS cap in force
+    as numbers, the mode's surrogate and divergence (issue 42); it loads back to the same run."""
     import yaml
 
     cfg = load_config(None, ["delta_low=0.02", "sampling_top_k=0", "rejection=", "mode=dppo-topk-tv"])
     d = cfg.to_dict()
     assert not set(d) & set(LOSS_ALIASES)  # stored nested only
-    assert d["loss"]["thresholds"] == {"delta_low": 0.02, "delta_high": None, "eps_low": 0.2, "eps_high": 0.28,
-                                       "dual_clip": None}  # as given: None is the mode's delta
+    tv = pdmask.MODES["dppo-topk-tv"].default_delta
+    assert d["loss"]["thresholds"] == {"delta_low": 0.02, "delta_high": tv, "eps_low": 0.2, "eps_high": 0.28,
+                                       "dual_clip": None}  # resolved: the mode's delta where none was given
     assert d["loss"]["sampling"]["top_k"] is None and d["loss"]["corrections"]["rejection"] is None
-    assert d["loss"]["corrections"]["is_cap"] is None  # not given (5 in force)
+    assert d["loss"]["corrections"]["is_cap"] == pdmask.Corrections().is_cap  # the cap in force
+    assert d["mode_spec"] == {"surrogate": "dppo", "divergence": "topk_tv"}
+    assert cfg.loss_fields["thresholds"]["delta_high"] is None  # as given, for replace()
     p = tmp_path / "config.yaml"
     p.write_text(yaml.safe_dump(d, sort_keys=False))
     back = load_config(p)
     assert back == cfg and back.to_dict() == d
+
+
+def test_a_preset_mode_records_its_bounds_and_reloads(tmp_path):
+    import yaml
+
+    cfg = load_config(None, ["mode=cispo"])
+    d = cfg.to_dict()
+    assert (d["loss"]["corrections"]["is_floor"], d["loss"]["corrections"]["is_cap"]) == (0.8, 1.28)
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    assert load_config(p).to_dict() == d
+
+
+def test_a_record_of_another_mode_under_the_same_name_is_refused(tmp_path):
+    import yaml
+
+    d = load_config(None, ["mode=pdm-topk-kl"]).to_dict()
+    d["mode_spec"] = {"surrogate": "smooth", "divergence": "topk_kl"}
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump(d, sort_keys=False))
+    with pytest.raises(ValueError, match=r"^mode_spec: .* records mode 'pdm-topk-kl' as"):
+        load_config(p)
+
+
+def test_a_stored_run_compares_by_what_it_used_not_by_todays_default(monkeypatch):
+    """A new record holds its deltas; an old one's null is the default at the time
+    (RECORDED_BEFORE_42). Changing a mode's default now makes both differ from a fresh config
+    of that mode, as they should: the fresh run would use another delta."""
+    import dataclasses
+
+    from pdmask.train.loss_spec import RECORDED_BEFORE_42
+
+    new = load_config(None, ["mode=pdm-topk-kl"]).to_dict()
+    old = {k: v for k, v in new.items() if k != "mode_spec"}
+    old["loss"] = {**new["loss"], "thresholds": {**new["loss"]["thresholds"], "delta_low": None, "delta_high": None},
+                   "corrections": {**new["loss"]["corrections"], "is_cap": None}}
+    was = RECORDED_BEFORE_42["pdm-topk-kl"][2]
+    assert comparable(old)["loss.thresholds.delta_high"] == was == comparable(new)["loss.thresholds.delta_high"]
+    assert comparable(old)["mode_spec"] == new["mode_spec"]
+    assert config_diff(old, load_config(None, ["mode=pdm-topk-kl"])) == {}
+    m = pdmask.MODES["pdm-topk-kl"]
+    monkeypatch.setitem(pdmask.MODES, "pdm-topk-kl", dataclasses.replace(m, default_delta=0.04))
+    fresh = load_config(None, ["mode=pdm-topk-kl"])
+    for stored in (old, new):
+        assert config_diff(stored, fresh)["loss.thresholds.delta_high"] == (was, 0.04)
 
 
 def test_replace_keeps_what_was_given():

@@ -31,6 +31,22 @@ def _stored_loss(run: Path) -> dict:
     return stored_loss(cfg or {})
 
 
+def labelled_delta(loss: dict):
+    """A run's ``delta_high`` as its group label states it: None where it is the mode's default
+    (a record since issue 42 writes the default out as a number, an older one wrote null, read as
+    the default at the time: :data:`pdmask.train.loss_spec.RECORDED_BEFORE_42`), so that both
+    group together, and apart from runs at another delta once a default changes."""
+    from .. import MODES
+    from ..train.loss_spec import RECORDED_BEFORE_42
+
+    mode, d = loss.get("mode"), loss.get("thresholds", {}).get("delta_high")
+    old = RECORDED_BEFORE_42.get(mode) if isinstance(mode, str) else None
+    if d is None and old is not None:
+        d = old[2]
+    default = MODES[mode].default_delta if mode in MODES else (old[2] if old is not None else None)
+    return None if d is None or d == default else d
+
+
 def variant_label(run: Path, mode: str) -> str:
     """The label a run is grouped under: ``MODE@VARIANT`` when its directory is named
     ``MODE@VARIANT-s<seed>`` with ``MODE`` its stored mode (a ladder cell of a variant,
@@ -46,7 +62,7 @@ def run_label(run: Path) -> tuple[str, str]:
     and thresholds share a group."""
     loss = _stored_loss(run)
     mode = variant_label(run, loss.get("mode", run.name))
-    d = loss.get("thresholds", {}).get("delta_high")
+    d = labelled_delta(loss)
     group = mode if d is None else f"{mode} δ={d:g}"
     return group, run.name
 
@@ -178,7 +194,7 @@ def _run_info(run: Path) -> dict:
     # "mode" is the variant label: a MODE@VARIANT run pairs with, and is reported as, its own label
     mode = variant_label(run, loss.get("mode", run.name))
     return {"run": run.name, "group": group, "mode": mode, "seed": cfg.get("seed"),
-            "delta_high": loss.get("thresholds", {}).get("delta_high"), "sync_every": int(cfg.get("sync_every") or 1)}
+            "delta_high": labelled_delta(loss), "sync_every": int(cfg.get("sync_every") or 1)}
 
 
 def _reference_group(groups: dict, reference: str, delta) -> str | None:

@@ -33,8 +33,8 @@ from ..loss import PolicyLoss
 from ..masks import get_mode
 from .forwards import forward_for
 from .loss_spec import (
-    LOSS_ALIASES, LOSS_HELP, build_loss, coerce_leaf, flatten_loss, key_of, loss_fields, loss_leaves, loss_path, plain,
-    put_path, resolved_fields, spec_fields, yaml_number,
+    LOSS_ALIASES, MODE_RECORD, build_loss, coerce_leaf, flatten_loss, key_of, loss_fields, loss_help, loss_leaves,
+    loss_path, mode_record, plain, put_path, read_as_recorded, resolved_fields, spec_fields, yaml_number,
 )
 
 
@@ -173,9 +173,14 @@ class TrainConfig:
         return (getattr(self, "_loss_names", None) or {}).get(path) or key_of(path)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a run records it (config.yaml): the loss **resolved**, what the run uses
+        (the mode's deltas, the IS cap in force, a preset's bounds; :func:`resolved_fields`), and
+        under ``mode_spec`` the mode's surrogate and divergence (:func:`mode_record`). Loading it
+        back gives the same run; :func:`replace` starts from the fields as given instead."""
         out = {}
         for f in dataclasses.fields(self):
-            out[f.name] = plain(self._loss_fields) if f.name == "loss" else getattr(self, f.name)
+            out[f.name] = plain(resolved_fields(self.loss)) if f.name == "loss" else getattr(self, f.name)
+        out[MODE_RECORD] = mode_record(self.loss)
         return out
 
     def validate(self) -> "TrainConfig":
@@ -390,14 +395,14 @@ def field_help() -> list[tuple[str, str, str, str]]:
         if f.name != "loss":
             rows.append((f.name, _type_name(hints[f.name]), repr(f.default), f.metadata["help"]))
             continue
-        defaults = loss_fields()
+        defaults, help_ = loss_fields(), loss_help()
         short = {v: k for k, v in LOSS_ALIASES.items()}
         for path, tp in loss_leaves().items():
             d = defaults
             for part in path.split("."):
                 d = d[part]
             alias = f" (short name: {short[path]})" if path in short else ""
-            rows.append((f"loss.{path}", _type_name(tp), repr(d), f"{LOSS_HELP.get(path, '')}{alias}".strip()))
+            rows.append((f"loss.{path}", _type_name(tp), repr(d), f"{help_.get(path, '')}{alias}".strip()))
     return rows
 
 
@@ -472,7 +477,7 @@ def config_values(items, where: str) -> tuple[dict, dict, dict]:
             pairs = [(p, x, f"loss.{p}") for p, x in flatten_loss(v)]
         elif loss_path(k) is not None:
             pairs = [(loss_path(k), v, k)]
-        elif k in FIELDS:
+        elif k in FIELDS or k == MODE_RECORD:  # the record is checked against the mode (make_config)
             top[k] = v
             continue
         else:
@@ -488,6 +493,7 @@ def make_config(values: dict[str, Any] | list, where: str = "config") -> TrainCo
     """A validated TrainConfig from a mapping (or ``(key, value)`` pairs) of config keys."""
     items = list(values.items()) if isinstance(values, Mapping) else list(values)
     top, loss, names = config_values(items, where)
+    record = top.pop(MODE_RECORD, None)
     hints = typing.get_type_hints(TrainConfig)
     out = {}
     for k, v in top.items():
@@ -497,7 +503,20 @@ def make_config(values: dict[str, Any] | list, where: str = "config") -> TrainCo
     spec, fields_ = build_loss(loss_fields(loss), names)
     cfg = TrainConfig(**out, loss=spec)
     cfg._loss_fields, cfg._loss_names = fields_, names  # as given (a None delta), and as written
+    _check_record(record, spec, where)
     return cfg.validate()
+
+
+def _check_record(record, spec: PolicyLoss, where: str) -> None:
+    """A config's ``mode_spec`` (a run's record of its mode) is what the mode is made of now: a
+    mode registered anew under the same name with another surrogate or divergence is another
+    loss, and a run recorded with the old one is not continued or compared under it."""
+    if record is None:
+        return
+    now = mode_record(spec)
+    if not isinstance(record, Mapping) or dict(record) != now:
+        raise ValueError(f"{MODE_RECORD}: {where} records mode {spec.mask_mode.name!r} as {record!r}, but it is "
+                         f"{now!r} now; a run made with the old mode cannot be continued or compared under its name")
 
 
 def _yaml_where(e) -> str:
@@ -547,7 +566,8 @@ def replace(cfg: TrainConfig, changes: Mapping | None = None, **kw) -> TrainConf
     ``loss.corrections.is_cap`` or ``is_cap``; unknown keys raise like overrides)."""
     over = [*(changes or {}).items(), *kw.items()]
     config_values(over, "overrides")
-    vals = cfg.to_dict()
+    vals = {**cfg.to_dict(), "loss": plain(cfg.loss_fields)}  # as given: a changed mode takes its own deltas
+    vals.pop(MODE_RECORD)
     return make_config([*vals.items(), *over])
 
 
@@ -591,17 +611,23 @@ def stored_loss(stored: Mapping) -> dict[str, Any]:
 
 def comparable(values: Mapping) -> dict[str, Any]:
     """A config mapping (a stored ``config.yaml`` of any version, or ``TrainConfig.to_dict()``)
-    flat, in the terms two configs are compared in: ``loss.<path>`` keys holding what the
-    loss resolves to (the mode's deltas, the IS cap's default 5: what the run used), the
-    other fields as they are. A stored loss the specs refuse today is compared as given."""
+    flat, in the terms two configs are compared in: what the run used. ``loss.<path>`` keys
+    hold the resolved loss (a run since issue 42 records it; an older record's ``null`` delta
+    or ``is_cap`` is read as its value then, :func:`pdmask.train.loss_spec.read_as_recorded`,
+    not as today's default), ``mode_spec`` the mode's surrogate and divergence (an older
+    record's from the same table), the other fields as they are. A stored loss the specs
+    refuse today is compared as given."""
     out = {k: v for k, v in values.items() if k in FIELDS and k != "loss"}
     out.update({k: v for k, v in values.items() if k not in FIELDS and loss_path(k) is None})  # unknown: kept
-    given = loss_fields(stored_loss(values))
+    given, record = read_as_recorded(loss_fields(stored_loss(values)), values.get(MODE_RECORD))
     try:
-        resolved = resolved_fields(build_loss(given)[0])
+        spec = build_loss(given)[0]
+        resolved, record = resolved_fields(spec), mode_record(spec) if record is None else record
     except ValueError:
         resolved = given
     out.update({f"loss.{p}": v for p, v in flatten_loss(plain(resolved))})
+    if record is not None:
+        out[MODE_RECORD] = plain(record)
     return out
 
 

@@ -48,6 +48,7 @@ from .config import TrainConfig
 from .environment import environment, torch_threads
 from .finite import first_nonfinite, stop, trained_parameters, watch
 from .logging import RunLogger, read_jsonl, truncate_jsonl
+from .loss_spec import mode_record, resolved_fields
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
 from .progress import make_progress
@@ -336,7 +337,9 @@ def summarize(records: list[dict], cfg: TrainConfig, base: dict | None = None) -
 
     return {
         "run": cfg.run_name, "mode": cfg.loss.mode, "seed": cfg.seed,
-        **{k: v for k, v in cfg.loss_fields["thresholds"].items() if k.startswith("delta")},  # as given
+        # what the run used (issue 42): before, a delta left at the mode's default was written null
+        **{k: v for k, v in resolved_fields(cfg.loss)["thresholds"].items() if k.startswith("delta")},
+        "is_cap": cfg.loss.corrections.is_cap, **mode_record(cfg.loss),
         "engine_precision": cfg.engine_precision, "sync_every": cfg.sync_every,
         "steps": steps[-1]["step"] if steps else 0,
         "sft_eval_accuracy": (base or {}).get("eval_greedy_accuracy"),

@@ -20,10 +20,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from ..corrections import DEFAULT_IS_CAP
 from ..corrections import FIELDS as CORRECTION_FIELDS
 from .._validate import SpecError
 from ..loss import PolicyLoss
-from ..masks import get_mode
+from ..masks import MODES, get_mode
 
 
 #: Short names of loss fields (the names of the flat trainer config before the one spec, in
@@ -96,11 +97,58 @@ def spec_fields(spec: PolicyLoss) -> dict[str, Any]:
 
 def resolved_fields(spec: PolicyLoss) -> dict[str, Any]:
     """The fields a built spec resolves to, what a run used: the mode's name, the mode's
-    deltas where none were given, the IS cap in force (5 where none was given)."""
+    deltas where none were given, the IS cap in force (5 where none was given), a mode's
+    corrections preset applied (``cispo``'s bounds)."""
     out = spec_fields(spec)
     out["mode"] = get_mode(spec.mode).name
     out["corrections"]["is_cap"] = spec.corrections.is_cap
     return out
+
+
+#: The config key of :func:`mode_record`: what the run's mode was made of when it ran.
+MODE_RECORD = "mode_spec"
+
+
+def mode_record(spec: PolicyLoss) -> dict[str, Any]:
+    """The parts of the spec's mode a run records beside its loss fields (config.yaml's
+    ``mode_spec``, summary.json): its surrogate and the divergence it reports and is centred on."""
+    return {"surrogate": spec.mask_mode.surrogate, "divergence": spec.mask_mode.divergence}
+
+
+#: What a record written before issue 42 left implicit, per mode of that time: ``(surrogate,
+#: divergence, default delta)``. A ``null`` delta in such a config.yaml / summary.json is the
+#: mode's default then, a ``null`` ``is_cap`` :data:`IS_CAP_BEFORE_42`, and the surrogate and
+#: divergence were not written. Frozen here, not read from the registry, so that a later change
+#: of a default does not change what an old record says (docs/results/README.md).
+RECORDED_BEFORE_42 = {
+    "grpo": ("ppo-clip", "topk_kl", 0.05), "none": ("dppo", "topk_kl", 0.05),
+    "dppo-binary-tv": ("dppo", "binary_tv", 0.15), "dppo-binary-kl": ("dppo", "binary_kl", 0.05),
+    "dppo-topk-kl": ("dppo", "topk_kl", 0.05), "dppo-topk-tv": ("dppo", "topk_tv", 0.15),
+    "pdm-topk-kl": ("dppo", "topk_kl", 0.05), "pdm-topk-tv": ("dppo", "topk_tv", 0.15),
+    "pdm-full-kl": ("dppo", "full_kl", 0.05), "pdm-full-tv": ("dppo", "full_tv", 0.15),
+    "drpo": ("drpo", "binary_tv", 0.15), "spo": ("spo", "topk_kl", 0.2),
+    "pdm-smooth-topk-kl": ("smooth", "topk_kl", 0.05), "pdm-smooth-topk-tv": ("smooth", "topk_tv", 0.15),
+    "pdm-batch-topk-kl": ("dppo", "topk_kl", 0.05), "pdm-batch-topk-tv": ("dppo", "topk_tv", 0.15),
+    "pdm-batch-all-topk-kl": ("dppo", "topk_kl", 0.05), "pdm-batch-all-topk-tv": ("dppo", "topk_tv", 0.15),
+}
+IS_CAP_BEFORE_42 = 5.0
+
+
+def read_as_recorded(given: Mapping, record: Mapping | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A stored run's loss fields (nested, full) and mode record read as the run used them: an
+    older record's ``null`` delta / ``is_cap`` replaced by its value then (:data:`RECORDED_BEFORE_42`)
+    and its missing mode record filled in from the same table (None for a mode it does not list)."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in given.items()}
+    old = RECORDED_BEFORE_42.get(out.get("mode")) if isinstance(out.get("mode"), str) else None
+    if old is not None:
+        for k in ("delta_low", "delta_high"):
+            if out["thresholds"].get(k) is None:
+                out["thresholds"][k] = old[2]
+        if out["corrections"].get("is_cap") is None:
+            out["corrections"]["is_cap"] = IS_CAP_BEFORE_42
+    if record is None and old is not None:
+        record = {"surrogate": old[0], "divergence": old[1]}
+    return out, None if record is None else dict(record)
 
 
 def build_loss(fields: Mapping, names: Mapping | None = None) -> tuple[PolicyLoss, dict[str, Any]]:
@@ -183,10 +231,16 @@ def plain(x):
     return x
 
 
+def loss_help() -> dict[str, str]:
+    """:data:`LOSS_HELP` with the modes and their default deltas read from the registry now."""
+    modes = ", ".join(f"{n} ({m.default_delta:g})" for n, m in MODES.items())
+    return {**LOSS_HELP, "mode": f"mask mode from pdmask.MODES, with its default delta: {modes}"}
+
+
 #: One line per loss field for ``--help-config`` (the full meaning is in the spec classes'
-#: docstrings and docs/core.md).
+#: docstrings and docs/core.md); the mode's line is :func:`loss_help`'s.
 LOSS_HELP = {
-    "mode": "mask mode from pdmask.MODES (grpo, dppo-topk-kl, pdm-topk-kl, drpo, spo, pdm-smooth-topk-kl, ...)",
+    "mode": "mask mode from pdmask.MODES (pdmask train --help-config lists them)",
     "estimator": "top-K tail estimator of Ddot: exact, aggregated, uniform, truncated",
     "support": "support of the top-K divergences: topk+sampled (top-K plus the sampled token) or topk (the DPPO "
                "reference code); not with the pdm-batch-* modes",
@@ -197,7 +251,8 @@ LOSS_HELP = {
     "thresholds.eps_high": "grpo ratio clip above 1 (clip-higher; the trainer's default 0.28)",
     "thresholds.dual_clip": "grpo only: the loss of an A < 0 token is at most -A C (null: is_cap; .inf disables)",
     "corrections.is_level": "IS weight: token (r), sequence (prod r) or null (none); verl rollout_is",
-    "corrections.is_cap": "IS-weight cap C in min(r, C) and upper bound of is_mask (null: 5; .inf disables)",
+    "corrections.is_cap": "IS-weight cap C in min(r, C) and upper bound of is_mask (null: the default, "
+                          f"{DEFAULT_IS_CAP:g}; .inf disables)",
     "corrections.is_floor": "lower bound of the IS weight (null: none)",
     "corrections.is_mask": "mask outside [is_floor, is_cap] (MIS, IcePop) instead of truncating (TIS)",
     "corrections.is_batch_normalize": "divide the IS weights by their batch mean (verl)",
