@@ -26,9 +26,15 @@ Importing this package does not import verl.
 from __future__ import annotations
 
 from .actor import MODEL_TYPE
-from .losses import BINARY_MODES, TOPK_MODES, loss_name, registered_names
+from .losses import binary_modes, loss_name, registered_names, topk_modes
 from .registration import check_registered, register
 from .rollout import EXTRA_KEYS, REPLICA_NAME
 
-__all__ = ["BINARY_MODES", "EXTRA_KEYS", "MODEL_TYPE", "REPLICA_NAME", "TOPK_MODES", "check_registered",
-           "loss_name", "register", "registered_names"]
+__all__ = ["EXTRA_KEYS", "MODEL_TYPE", "REPLICA_NAME", "binary_modes", "check_registered", "loss_name", "register",
+           "registered_names", "topk_modes"]
+
+
+def __getattr__(name: str):
+    if name in ("BINARY_MODES", "TOPK_MODES"):  # the names before issue 42: read from the registry when asked
+        return binary_modes() if name == "BINARY_MODES" else topk_modes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,7 @@ import torch
 from ...anchor import Anchor, anchor_distance
 from ...rollout import Rollout
 from ...stats import token_stats
-from .losses import ANCHOR_DISTANCES, SHIPPED, engine_without_topk, rollout_stats
+from .losses import anchor_distances, engine_without_topk, rollout_stats, shipped
 from .rollout import EXTRA_KEYS
 
 MODEL_TYPE = "pdmask_language_model"
@@ -230,7 +230,7 @@ def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True
     detached: the gradient flows through verl's own ``log_probs``, the statistics only
     decide the mask. When the micro-batch carries pi_old's top-K (decoupled mode) the
     statistics are against pi_old, and ``D(mu, pi_old)`` is shipped too
-    (:data:`.losses.ANCHOR_DISTANCES`); ``sampled_logprob`` is always mu's.
+    (:func:`.losses.anchor_distances`); ``sampled_logprob`` is always mu's.
     """
     logits = student_logits.squeeze(0).detach()  # (rows, V)
     _, rollout, valid = _local_rollout(logits, data, validate)
@@ -242,12 +242,12 @@ def logits_to_stats(student_logits: torch.Tensor, data, *, validate: bool = True
         anchored = _old_anchor(data, K, logits.device).rollout_for(rollout)
     # the logits arrive temperature-scaled: the statistics are those at temperature 1
     st = token_stats(logits[None], anchored, validate=validate)
-    shipped = {k: st[k] for k in SHIPPED}
-    shipped["sampled_logprob"] = rollout.sampled_logprob  # mu: the behaviour side of an anchored loss
-    for name, div in ANCHOR_DISTANCES.items() if K else ():  # the loss mode is not known here: both
-        shipped[name] = anchor_distance(div, anchored, rollout, valid[None], logits.shape[-1])
+    ship = {k: st[k] for k in shipped()}
+    ship["sampled_logprob"] = rollout.sampled_logprob  # mu: the behaviour side of an anchored loss
+    for name, div in anchor_distances().items() if K else ():  # the loss mode is not known here: each
+        ship[name] = anchor_distance(div, anchored, rollout, valid[None], logits.shape[-1])
     out = {}
-    for k, v in shipped.items():  # each Ddot computed here (the loss mode is not known to the hook)
+    for k, v in ship.items():  # each Ddot computed here (the loss mode is not known to the hook)
         out[OUT_PREFIX + k] = torch.where(valid[None], v.to(torch.float32), torch.zeros_like(v, dtype=torch.float32))
     return out
 
@@ -288,10 +288,10 @@ class PdmaskLossFunction:
             return logits_to_stats(student_logits, data)
         from verl.workers.utils.padding import no_padding_2_padding
 
-        stats = {}
-        for k in SHIPPED + tuple(ANCHOR_DISTANCES):
+        stats, distances = {}, anchor_distances()
+        for k in shipped() + tuple(distances):
             v = model_output.pop(OUT_PREFIX + k, None)
-            if v is None and k in ANCHOR_DISTANCES:
+            if v is None and k in distances:
                 continue  # the rollout anchor: no pi_old in the micro-batch
             if v is None:
                 raise ValueError(f"model_output: {OUT_PREFIX + k!r} missing (logits processor did not run; "

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .losses import BINARY_MODES, registered_names
+from .losses import binary_modes, registered_names
 
 
 def _get(cfg: Any, path: str, default=None):
@@ -78,7 +78,7 @@ def check_config(config: Any) -> None:
                     f"it expects its own bypass_mode loss), so with loss_mode={loss_mode} it would not be applied; "
                     f"set {rc}.bypass_mode=false (the pdmask losses take verl's IS weights and rejection mask) or "
                     f"{key}=null")
-    if mode not in BINARY_MODES and not _get(config, f"{rc}.bypass_mode", False) \
+    if mode not in binary_modes() and not _get(config, f"{rc}.bypass_mode", False) \
             and not _get(config, "trainer.use_v1", True):
         raise ValueError(
             f"trainer.use_v1: loss_mode={loss_mode} in decoupled mode ({rc}.bypass_mode=false) centres the region on "
@@ -92,7 +92,7 @@ def check_config(config: Any) -> None:
             f"loss_mode={loss_mode}; configure {rc} (with bypass_mode=false) instead")
     # the top-K modes anchor on the rollout's mu (bypass mode) or read mu in pi_old / mu
     # (decoupled mode); the binary modes read mu only in bypass mode
-    if mode not in BINARY_MODES or _get(config, f"{rc}.bypass_mode", False):
+    if mode not in binary_modes() or _get(config, f"{rc}.bypass_mode", False):
         ro = "actor_rollout_ref.rollout"
         top_k, top_p = _get(config, f"{ro}.top_k", -1), _get(config, f"{ro}.top_p", 1.0)
         if (top_k not in (-1, 0) and top_k is not None) or (top_p is not None and float(top_p) < 1.0):
@@ -102,7 +102,7 @@ def check_config(config: Any) -> None:
                 "verl: mu is renormalised over the kept tokens while the log-prob verl differentiates (and pi_old) "
                 "span the vocabulary, and a registered loss cannot renormalise them; sample with top_k=-1 and "
                 "top_p=1 (verl's defaults)")
-    if mode not in BINARY_MODES and _get(config, "actor_rollout_ref.model.use_fused_kernels", False):
+    if mode not in binary_modes() and _get(config, "actor_rollout_ref.model.use_fused_kernels", False):
         raise ValueError(
             f"actor_rollout_ref.model.use_fused_kernels: loss_mode={loss_mode} needs the logits, which verl's fused "
             "forward never builds (it returns log-probs from the hidden states inside the model, and no hook "

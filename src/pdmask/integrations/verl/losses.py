@@ -53,22 +53,56 @@ import torch
 
 from ..._validate import SpecError, check_choice
 from ...corrections import Corrections
-from ...keys import ESTIMATORS
+from ...keys import ESTIMATORS, TOPK_DIVERGENCES
 from ...loss import LOSS_AGG_READS, LOSS_AGGS, Aggregation, PolicyLoss
-from ...masks import SMOOTH_SURROGATES, Thresholds, get_mode
-from ...stats import TOPK_NAMES, TokenStats, TopKStats
+from ...masks import MODES, Thresholds, get_mode
+from ...stats import TokenStats, TopKStats, topk_names
+from ...surrogates import SURROGATES
 
 PREFIX = "pdmask_"
-#: Modes whose statistics need only log pi_k and the anchor's log mu_k.
-BINARY_MODES = ("dppo-binary-tv", "dppo-binary-kl", "drpo", "spo")
-#: Modes that need the rollout top-K (the pdmask engine + rollout replica).
-TOPK_MODES = ("dppo-topk-kl", "dppo-topk-tv", "pdm-topk-kl", "pdm-topk-tv", "pdm-smooth-topk-kl", "pdm-smooth-topk-tv")
-#: Per-token statistics the actor hook hands the top-K losses (all (B, T)): ``log mu_k``, the
-#: entropy and the top-K part of :class:`pdmask.TokenStats` (its field names).
-SHIPPED = ("sampled_logprob", "entropy") + TOPK_NAMES
-#: Shipped besides, when the micro-batch carries pi_old (decoupled mode): ``D(mu, pi_old)`` of
-#: each top-K divergence (the hook does not know the loss mode), name -> divergence.
-ANCHOR_DISTANCES = {"anchor_topk_kl": "topk_kl", "anchor_topk_tv": "topk_tv"}
+
+
+# The lists below are read from the registries when called (pdmask.MODES, the top-K divergences), so
+# a mode or divergence registered before verl builds its losses is one verl sees; BINARY_MODES,
+# TOPK_MODES, SHIPPED and ANCHOR_DISTANCES are the same, as module attributes (computed on access).
+def verl_modes() -> list[str]:
+    """The modes verl can feed, in registry order: no caller-supplied tensors, no statistic beyond
+    the rollout top-K, a trust region with a direction test and a delta (its thresholds are verl's
+    ``clip_ratio_low`` / ``_high``). ``none``, ``cispo`` and ``grpo`` are verl's own losses."""
+    return [n for n, m in MODES.items() if not m.extras and set(m.needs) <= {"topk"} and m.direction is not None
+            and "eps" not in m.reads]
+
+
+def binary_modes() -> tuple[str, ...]:
+    """Modes whose statistics need only log pi_k and the anchor's log mu_k."""
+    return tuple(n for n in verl_modes() if "topk" not in MODES[n].needs)
+
+
+def topk_modes() -> tuple[str, ...]:
+    """Modes that need the rollout top-K (the pdmask engine + rollout replica)."""
+    return tuple(n for n in verl_modes() if "topk" in MODES[n].needs)
+
+
+def shipped() -> tuple[str, ...]:
+    """Per-token statistics the actor hook hands the top-K losses (all (B, T)): ``log mu_k``, the
+    entropy and the top-K part of :class:`pdmask.TokenStats` (its stat names)."""
+    return ("sampled_logprob", "entropy") + topk_names()
+
+
+def anchor_distances() -> dict[str, str]:
+    """Shipped besides, when the micro-batch carries pi_old (decoupled mode): ``D(mu, pi_old)`` of
+    each top-K divergence (the hook does not know the loss mode), name -> divergence."""
+    return {f"anchor_{d}": d for d in TOPK_DIVERGENCES}
+
+
+_LISTS = {"BINARY_MODES": binary_modes, "TOPK_MODES": topk_modes, "SHIPPED": shipped,
+          "ANCHOR_DISTANCES": anchor_distances}
+
+
+def __getattr__(name: str):
+    if name in _LISTS:
+        return _LISTS[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _ROLLOUT_STATS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pdmask_verl_rollout_stats",
                                                                              default=None)
@@ -108,7 +142,7 @@ def registered_names() -> dict[str, tuple[str, str]]:
     direction (``dppo-*``, ``drpo``, ``spo``) are registered once; ``pdm-*`` once per estimator.
     """
     out = {}
-    for mode in BINARY_MODES + TOPK_MODES:
+    for mode in verl_modes():
         ests = ESTIMATORS if reads_estimator(mode) else ("exact",)
         for est in ests:
             out[loss_name(mode, est)] = (mode, est)
@@ -191,7 +225,7 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor,
             "config: a pdmask top-K loss_mode needs the per-token statistics of the pdmask training engine; "
             "set actor_rollout_ref.model.model_type=pdmask_language_model and "
             "actor_rollout_ref.rollout.name=pdmask_vllm (see docs/verl.md)")
-    missing = [k for k in SHIPPED if k not in st and k != "entropy"]
+    missing = [k for k in shipped() if k not in st and k != "entropy"]
     if missing:
         raise ValueError(f"rollout_stats: missing keys {missing}")
     shape = tuple(log_prob.shape)
@@ -202,14 +236,14 @@ def topk_stats(log_prob: torch.Tensor, response_mask: torch.Tensor,
     dt = log_prob.dtype
     filler = torch.full_like(log_prob, -0.6931471805599453)
     mu = torch.where(valid, st["sampled_logprob"].to(dt), filler)
-    anchored = all(k in st for k in ANCHOR_DISTANCES)
+    anchored = all(k in st for k in anchor_distances())
     rlp = mu if not anchored else torch.where(valid, old_log_prob.detach().to(dt), filler).clamp(max=0.0)
     logp = torch.where(valid, log_prob.detach(), rlp)
     topk = TopKStats.from_dict({k: st[k].bool() if k in ("tail_clamped", "sampled_in_topk") else st[k].to(dt)
-                                for k in TOPK_NAMES})
+                                for k in topk_names()})
     entropy = st.get("entropy", torch.zeros_like(logp)).to(dt)
     stats = replace(TokenStats.from_logprobs(logp, rlp, valid, entropy=entropy, topk=topk), logp=log_prob)
-    dist = {div: st[name].to(dt) for name, div in ANCHOR_DISTANCES.items()} if anchored else {}
+    dist = {div: st[name].to(dt) for name, div in anchor_distances().items()} if anchored else {}
     return stats, (mu if anchored else None), dist
 
 
@@ -260,9 +294,9 @@ def policy_loss_spec(mode_name: str, estimator: str, config, anchor: str = "roll
     ``loss_agg_mode`` and ``config.global_batch_info``, passed to :meth:`pdmask.PolicyLoss.from_stats`)."""
     dl = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     dh = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    smooth = get_mode(mode_name).surrogate in SMOOTH_SURROGATES and anchor == "rollout"
+    own = not SURROGATES[get_mode(mode_name).surrogate].takes_is_weight and anchor == "rollout"  # ratio = weight
     return PolicyLoss(mode=mode_name, estimator=estimator, thresholds=Thresholds(dl, dh), anchor=anchor,
-                      corrections=Corrections() if smooth else Corrections(is_cap=float(config.clip_ratio_c)))
+                      corrections=Corrections() if own else Corrections(is_cap=float(config.clip_ratio_c)))
 
 
 def _spec_once(specs: dict, mode_name: str, estimator: str, config, anchor: str = "rollout") -> PolicyLoss:
@@ -387,8 +421,8 @@ def check_finite_loss(name: str, call: int, loss: torch.Tensor, config, **inputs
 def make_policy_loss(mode_name: str, estimator: str = "exact") -> Callable:
     """A verl ``PolicyLossFn`` for one pdmask mode (signature as verl calls it)."""
     get_mode(mode_name)
-    check_choice("mode", mode_name, BINARY_MODES + TOPK_MODES)  # the modes verl can feed
-    topk = mode_name in TOPK_MODES
+    check_choice("mode", mode_name, verl_modes())  # the modes verl can feed
+    topk = "topk" in MODES[mode_name].needs
     specs: dict = {}  # the PolicyLoss of each actor config, built once
     calls = [0]  # this loss's calls in this process: verl passes a policy loss no step number
 
