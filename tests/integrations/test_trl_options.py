@@ -78,7 +78,9 @@ REFUSED = [
     ({"rejection_threshold": "0.5"}, "rejection_threshold"),                    # without rules
     ({"top_k": -3}, "top_k"),
     ({"top_entropy_quantile": 0.5}, "top_entropy_quantile"),
-    ({"loss_type": "cispo"}, "loss_type"),
+    ({"loss_type": "cispo", "mask_mode": "drpo"}, "loss_type"),               # its ratio is its weight
+    ({"loss_type": "cispo", "mask_mode": "cispo"}, "loss_type"),              # verl's CISPO vs TRL's
+    ({"loss_type": "cispo", "is_cap": 3.0}, "loss_type"),                      # two caps
     ({"loss_type": "sapo"}, "loss_type"),
     ({"loss_type": "vespo"}, "loss_type"),
     ({"loss_type": "luspo"}, "loss_type"),

@@ -23,14 +23,13 @@ import trl_helpers as H  # noqa: E402
 
 from tests.numerics import one_thread  # noqa: E402
 
-from pdmask.integrations.trl import GRPOConfig  # noqa: E402
+import pdmask  # noqa: E402
+from pdmask.integrations.trl import GRPOConfig, options  # noqa: E402
 
-#: every mode the trainer accepts, each with one of TRL's aggregations (all four covered twice)
-MODES = {"grpo": "dapo", "none": "bnpo", "dppo-binary-tv": "grpo", "dppo-binary-kl": "dr_grpo",
-         "dppo-topk-kl": "dapo", "dppo-topk-tv": "bnpo", "pdm-topk-kl": "grpo", "pdm-topk-tv": "dr_grpo",
-         "drpo": "dapo", "spo": "bnpo", "pdm-smooth-topk-kl": "grpo", "pdm-smooth-topk-tv": "dr_grpo"}
+#: every mode the trainer accepts (read from the registry), each with one of TRL's aggregations in turn
+MODES = {m: ("dapo", "bnpo", "grpo", "dr_grpo")[i % 4] for i, m in enumerate(options.accepted_modes())}
 #: the modes that need no top-K
-BINARY = ("grpo", "none", "dppo-binary-tv", "dppo-binary-kl", "drpo", "spo")
+BINARY = tuple(m for m in MODES if "topk" not in pdmask.MODES[m].needs)
 
 
 def _check_records(tr, k):
@@ -155,7 +154,7 @@ def test_vllm_path_picks_the_sampled_token(tmp_path):
     ({"mask_mode": "pdm-full-kl"}, "full logits"),
     ({"mask_mode": "nope"}, "^mask_mode: unknown value 'nope'; valid values are: grpo"),
     ({"mask_mode": "pdm-topk-kl", "rollout_top_k": 0}, "K >= 1"),
-    ({"loss_type": "cispo"}, "loss_type"),
+    ({"loss_type": "cispo", "mask_mode": "spo"}, "loss_type"),
     ({"beta": 0.04, "top_p": 0.9}, "beta"),
     ({"mask_estimator": "magic"}, "mask_estimator"),
     ({"mask_delta_low": -1.0}, "mask_delta_low"),

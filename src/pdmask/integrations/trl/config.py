@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
+from ...divergences import default_delta
 from . import options
 from .options import IS_CAP_DEFAULT, LOSS_TYPES  # noqa: F401  (LOSS_TYPES: re-export)
 
@@ -33,7 +34,8 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     :mod:`pdmask.corrections`; pdmask's ``is_*`` / ``rejection*`` fields otherwise), ``epsilon`` / ``epsilon_high`` / ``delta``
     (the ``grpo`` mode's clip and dual clip), ``loss_type`` (aggregation: ``dapo`` = token
     mean over the global accumulated batch, ``bnpo`` = local token mean, ``grpo`` =
-    per-sequence mean, ``dr_grpo`` = sum / (B * max_completion_length)).
+    per-sequence mean, ``dr_grpo`` = sum / (B * max_completion_length); ``cispo`` = ``dapo``'s,
+    with TRL's CISPO weight ``sg(min(pi_k / mu_k, epsilon_high))``: ``mask_mode="none"`` is TRL's loss).
 
     Every TRL option that changes the objective is honoured or refused (``ValueError``
     naming it) by :mod:`.options`, the one place that decides (``docs/trl.md`` has the table).
@@ -51,8 +53,9 @@ class PDMaskGRPOConfig(_TRLGRPOConfig):
     mask_delta_low: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with negative advantage, the scale delta of drpo, "
-                          "spo and pdm-smooth-* (default: the mode's MaskMode.default_delta, 0.05 for KL, 0.15 "
-                          "for TV)."})
+                          "spo and pdm-smooth-* (default: the mode's MaskMode.default_delta, "
+                          f"{default_delta('topk_kl'):g} for KL, {default_delta('topk_tv'):g} for TV, "
+                          f"{default_delta('topk_js'):g} for JS)."})
     mask_delta_high: float | None = field(
         default=None,
         metadata={"help": "Divergence threshold for tokens with positive advantage (default: the mode's)."})

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable
 
-from ... import MODES
+from ... import MODES, SURROGATES
 from ..._validate import SpecError, check_choice
 from ...corrections import DEFAULT_IS_CAP, Corrections
 
-#: TRL ``loss_type`` values whose aggregation the trainer reproduces.
-LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+#: TRL ``loss_type`` values whose aggregation the trainer reproduces; ``cispo`` also sets the IS
+#: weight, TRL's CISPO ``sg(min(r, epsilon_high))`` (:func:`cispo`).
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo", "cispo")
 
 
 @cache
@@ -65,10 +66,46 @@ def _grpo(args) -> bool:
 
 
 def _ratio_weighted(args) -> bool:
-    """The mode differentiates its ratio pi/mu (grpo, drpo, spo, pdm-smooth-*): the ratio is its IS weight.
-    Not with ``anchor="old"``: the ratio is then pi/pi_old and the IS weight pi_old/mu is its own."""
-    return (args.mask_mode in MODES and MODES[args.mask_mode].surrogate != "dppo"
+    """The mode's surrogate differentiates its ratio pi/mu (it takes no separate IS weight: grpo, drpo,
+    spo, pdm-smooth-*): the ratio is its IS weight. Not with ``anchor="old"``: the ratio is then
+    pi/pi_old and the IS weight pi_old/mu is its own."""
+    return (args.mask_mode in MODES and not SURROGATES[MODES[args.mask_mode].surrogate].takes_is_weight
             and getattr(args, "anchor", "rollout") != "old")
+
+
+def cispo(args) -> bool:
+    """``loss_type="cispo"``: TRL 1.16's CISPO (``grpo_trainer.py:3109-3111``), the IS weight
+    ``sg(min(r, epsilon_high))`` on ``-A log pi_k`` and the ``dapo`` aggregation
+    (``:3168-3173``); ``epsilon_high`` falls back to ``epsilon`` as in TRL. With ``mask_mode="none"``
+    it is TRL's loss; another mode with an IS weight adds its mask."""
+    return args.loss_type == "cispo"
+
+
+def _reads_eps(args) -> bool:
+    """``epsilon`` / ``epsilon_high`` mean something here: the mode reads the ratio clip (``grpo``;
+    ``cispo``'s preset) or ``loss_type="cispo"`` caps the IS weight at ``epsilon_high``."""
+    return cispo(args) or (args.mask_mode in MODES and "eps" in MODES[args.mask_mode].reads)
+
+
+def _refuse_loss_type(a) -> str | None:
+    if a.loss_type not in LOSS_TYPES:
+        return f"{a.loss_type!r} is not supported with a trust-region mask; valid values are: {', '.join(LOSS_TYPES)}"
+    if not cispo(a):
+        return None
+    mode = MODES[a.mask_mode]
+    if not SURROGATES[mode.surrogate].takes_is_weight:
+        return (f"'cispo' weights -A log pi_k by sg(min(r, epsilon_high)), a separate IS weight, but "
+                f"mask_mode={a.mask_mode!r} differentiates its ratio ({mode.surrogate} surrogate); use mask_mode='none' "
+                "(TRL's CISPO) or a dppo / pdm mode (CISPO's weight under its mask)")
+    if mode.corrections is not None:
+        return (f"'cispo' is TRL's CISPO, sg(min(r, epsilon_high)); mask_mode={a.mask_mode!r} sets its own IS weight "
+                f"({mode.doc}); use mask_mode='none' with loss_type='cispo', or loss_type='dapo' with "
+                f"mask_mode={a.mask_mode!r}")
+    set_ = [n for n in UNSET if is_set(a, n)] + (["vllm_importance_sampling_correction"] if vllm_is_on(a) else [])
+    if set_:
+        return (f"'cispo' sets the IS weight to sg(min(r, epsilon_high)) against the generator's mu, and "
+                f"{', '.join(set_)} would set another; leave {'them' if len(set_) > 1 else 'it'} unset / off")
+    return None
 
 
 
@@ -220,18 +257,20 @@ def _refuse_beta(a) -> str | None:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("loss_type", "honoured for dapo, bnpo, grpo, dr_grpo",
+    Option("loss_type", "honoured for dapo, bnpo, grpo, dr_grpo, cispo",
            "aggregation of the per-token loss as TRL normalises it (token sum over the generation batch, "
-           "local token mean, per-sequence mean, sum / (B x max_completion_length))",
-           lambda a: None if a.loss_type in LOSS_TYPES else
-           f"{a.loss_type!r} is not supported with a trust-region mask; valid values are: {', '.join(LOSS_TYPES)}"),
-    Option("epsilon", "honoured in mask_mode='grpo', refused otherwise",
-           "grpo: the clip range [1 - epsilon, 1 + epsilon_high] of r = pi/mu",
-           _when(lambda a: not _grpo(a) and _changed(a, "epsilon"),
+           "local token mean, per-sequence mean, sum / (B x max_completion_length)); cispo: dapo's, and the IS "
+           "weight TRL's CISPO sg(min(r, epsilon_high)) (mask_mode='none': TRL's loss; refused with a mode "
+           "whose ratio is its weight, with mask_mode='cispo', and with another IS setting)", _refuse_loss_type),
+    Option("epsilon", "honoured in mask_mode='grpo' and 'cispo' and with loss_type='cispo', refused otherwise",
+           "grpo: the clip range [1 - epsilon, 1 + epsilon_high] of r = pi/mu; mask_mode='cispo': the IS weight's "
+           "clip, the same range; loss_type='cispo': the fallback of epsilon_high",
+           _when(lambda a: not _reads_eps(a) and _changed(a, "epsilon"),
                  "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
                  "leave it at TRL's default or use mask_mode='grpo'")),
-    Option("epsilon_high", "honoured in mask_mode='grpo', refused otherwise", "grpo: the upper clip (clip-higher)",
-           _when(lambda a: not _grpo(a) and a.epsilon_high is not None,
+    Option("epsilon_high", "honoured in mask_mode='grpo' and 'cispo' and with loss_type='cispo', refused otherwise",
+           "grpo: the upper clip (clip-higher); loss_type='cispo': the IS cap, TRL's epsilon_max",
+           _when(lambda a: not _reads_eps(a) and a.epsilon_high is not None,
                  "not used by this mask_mode (its thresholds are mask_delta_low / mask_delta_high); "
                  "leave it unset or use mask_mode='grpo'")),
     Option("delta", "honoured in mask_mode='grpo', refused otherwise",
@@ -375,7 +414,7 @@ def check_anchor(args) -> None:
 def check_mask_options(args) -> None:
     """pdmask's own options that a mode would not use."""
     mode = MODES[args.mask_mode]
-    if mode.surrogate == "ppo-clip":
+    if "delta" not in mode.reads:
         for name in ("mask_delta_low", "mask_delta_high"):
             if getattr(args, name) is not None:
                 raise ValueError(f"{name}: not used by mask_mode={args.mask_mode!r} (its region is the ratio clip "
@@ -387,7 +426,10 @@ def _is_fields(args) -> dict[str, Any]:
     ``is_*`` fields, an unset one (:data:`UNSET`) at the core's default (``delta`` is the dual
     clip in grpo mode, :func:`loss_spec`: there an ``is_cap`` equal to it without ``is_mask`` says
     the same and is dropped). TRL's bounds: ``clip_max`` None = no upper bound (``is_cap=inf``),
-    ``clip_min`` None or 0 = no lower bound."""
+    ``clip_min`` None or 0 = no lower bound. ``loss_type="cispo"``: TRL's cap ``epsilon_high``."""
+    if cispo(args):
+        cap = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+        return {"is_level": "token", "is_mask": False, "is_cap": cap, "is_floor": None}
     if vllm_is_on(args) and not _ratio_weighted(args):
         level, masked = VLLM_IS_MODES[args.vllm_importance_sampling_mode]
         hi, lo = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
@@ -461,6 +503,6 @@ def loss_spec(args):
 
 
 __all__ = ["IS_CAP_DEFAULT", "IS_DEFAULTS", "LOSS_TYPES", "NEUTRAL", "OPTIONS", "Option", "SUPPLIED_NEEDS", "UNSET",
-           "VLLM_IS_MODES", "accepted_modes", "check", "check_anchor", "check_mask_options", "check_mode",
+           "VLLM_IS_MODES", "accepted_modes", "check", "cispo", "check_anchor", "check_mask_options", "check_mode",
            "corrections", "is_set", "loss_spec", "mode_refusal", "old_logps_computed", "sampling", "trl_default",
            "vllm_is_on"]

@@ -246,7 +246,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         """The :class:`pdmask.Aggregation` and the divisor reproducing TRL's ``loss_type``."""
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         lt = self.loss_type
-        if lt == "dapo":
+        if lt in ("dapo", "cispo"):  # TRL normalises cispo as dapo (grpo_trainer.py:3168)
             n = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 n = n * self.current_gradient_accumulation_steps / self.args.steps_per_generation
