@@ -38,7 +38,7 @@ from ..train.portable import portable_path
 from ..train.update import compute_loss, select
 from .report import find_runs, load_summaries, plot_runs, summary_table, write_summary
 from ..train.rollout import decode_responses, group_advantages, rewards_for
-from .seed_summary import DEFAULT_REFERENCE, seed_summary, seed_tables
+from .seed_summary import DEFAULT_REFERENCE, labelled_delta, seed_summary, seed_tables
 from ..train.sft import ensure_sft_checkpoint, sft_info
 
 
@@ -236,7 +236,9 @@ def run_compare(cfg: TrainConfig, *, modes: list[str], seeds: int = 1, deltas: l
                  "load_avg_start": load0, "threads": cfg.threads, "jobs": jobs, "cpu_count": os.cpu_count()}
     by_mode = {}
     for s in summaries:
-        by_mode.setdefault((s["mode"], s.get("delta_high")), []).append(s)
+        # a delta at the mode's default is no delta in a label (a run since issue 42 records it as a number)
+        d = labelled_delta({"mode": s["mode"], "thresholds": {"delta_high": s.get("delta_high")}})
+        by_mode.setdefault((s["mode"], d), []).append(s)
     pairs = PAIRS
     res["step_time_ratio_runs"] = {}
     for a, b in pairs:

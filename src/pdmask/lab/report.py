@@ -64,7 +64,7 @@ def has_delta(mode: str) -> bool:
         m = get_mode(mode)
     except (KeyError, ValueError):
         return True
-    return m.direction is not None and m.surrogate != "ppo-clip"
+    return m.direction is not None and "delta" in m.reads  # the mode's declaration: grpo reads eps
 
 
 def legend_label(group: str) -> str:

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from ..._validate import check_choice
 from ...keys import ESTIMATORS
 from ...loss import PolicyLoss
-from ...masks import MODES, MaskMode, get_mode
+from ...divergences import KL_DELTA
+from ...divergences import default_delta as _default_delta
+from ...masks import get_mode
 from ...train.loss_spec import build_loss, loss_fields, resolved_fields
 from ...train.update import ADAMW_BETAS, OPTIMIZERS
 from ..significance import DEFAULT_N_BOOT
@@ -38,13 +40,11 @@ FIDELITY_KS_ARG = ",".join(map(str, FIDELITY_KS))
 
 
 def default_delta(divergence: str) -> float:
-    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): that of
-    the registered masks whose region is that divergence (registry lookup). An unknown name
-    gets :class:`pdmask.MaskMode`'s default; the config's own check of ``divergence`` then
-    refuses it with the list of valid names."""
-    mode = next((m for m in MODES.values() if getattr(m.region, "divergence", None) == divergence
-                 and m.surrogate == "dppo"), None)
-    return MaskMode.default_delta if mode is None else mode.default_delta
+    """The default delta of an audited divergence (``topk_kl``, ``full_tv``, ...): the
+    divergence's own (:func:`pdmask.divergences.default_delta`, the registry). An unknown name
+    gets the KL default; the config's own check of ``divergence`` then refuses it with the
+    list of valid names."""
+    return _default_delta(divergence) if divergence in DIVERGENCES else KL_DELTA
 
 
 def audit_loss(trainer_loss: dict | None = None, *, step_mode: str = "none", estimator: str = "exact",

@@ -55,11 +55,11 @@ def _direction(stats, estimator):
 
 
 for _scope in ("", "all-"):
-    for _div, _delta in (("topk_kl", 0.05), ("topk_tv", 0.15)):
+    for _div in ("topk_kl", "topk_tv"):  # the default delta: the divergence's (the registry's)
         register_mode(MaskMode(
             f"pdm-batch-{_scope}{_div.replace('_', '-')}",
             divergence_region(_div) if not _scope else (lambda stats, adv, th: adv != 0),  # scope all: every token
-            _direction, _div, needs=frozenset({"topk"}), default_delta=_delta, extras=(DDOT,),
+            _direction, _div, needs=frozenset({"topk"}), extras=(DDOT,),
             supports=("topk+sampled",),  # the direction is built on the default support
             doc=f"batch-aware mask{', scope all' if _scope else ''}: {'any token' if _scope else _div + ' > delta'} "
                 f"and A*{DDOT} > 0 (pdmask.batchmask)"))
