@@ -29,6 +29,15 @@ def test_smoke_run_writes_outputs(tmp_path, cache_dir, smoke_config, cli, check_
     assert (run / "checkpoints" / "step-000004" / "model.safetensors").exists()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["mode"] == "pdm-topk-kl"
+    # the run records what it used (issue 42): the resolved deltas, the cap, the mode's parts
+    import yaml
+
+    stored = yaml.safe_load((run / "config.yaml").read_text())
+    used = {k: v for k, v in stored["loss"]["thresholds"].items() if k.startswith("delta")}
+    assert None not in used.values() and stored["loss"]["corrections"]["is_cap"] is not None
+    assert {k: summary[k] for k in used} == used and summary["is_cap"] == stored["loss"]["corrections"]["is_cap"]
+    assert stored["mode_spec"] == {"surrogate": summary["surrogate"], "divergence": summary["divergence"]} == {
+        "surrogate": "dppo", "divergence": "topk_kl"}
     check_environment(summary["environment"], threads=1)  # the run's own record (threads: the config's)
     assert summary["environment"]["torch_threads"] == 1  # set by the run before it recorded
     assert "eval_accuracy_final" in p.stdout  # the final table
