@@ -14,14 +14,13 @@ import torch
 from . import ops
 from ._validate import Checks, SpecError, check_bool, check_choice, check_count, check_device
 from .anchor import ANCHORS, Anchor, Behaviour, anchor_metrics, behaviour_of, check_behaviour, renamed_for_anchor
-from .corrections import FIELDS as CORRECTION_FIELDS
 from .corrections import Corrections, apply_corrections
 from .divergences import floor_neginf, masked_mean
 from .keys import ESTIMATORS, SUPPORTS
-from .masks import MODES, MaskMode, MaskResult, Thresholds, check_inputs_for, decide, get_mode
+from .masks import MODES, MaskMode, MaskResult, Thresholds, check_inputs_for, decide, get_mode, with_preset
 from .rollout import Rollout
-from .stats import MAX_LOG_RATIO, TokenStats, token_stats
-from .surrogates import SURROGATES, _token_loss, check_advantage_scale, check_corrections, is_weight
+from .stats import TokenStats, token_stats
+from .surrogates import SURROGATES, _token_loss, check_advantage_scale, check_corrections, is_weight, ratio_weight
 
 # ------------------------------------------------------------------ aggregation
 #: The aggregation modes (verl 0.9.1's ``agg_loss``) and the denominators of
@@ -173,23 +172,6 @@ class PolicyLossOutput:
     token_loss: torch.Tensor
     mask: torch.Tensor
     stats: TokenStats
-
-
-def with_preset(corrections: Corrections, mode: MaskMode, thresholds: Thresholds) -> Corrections:
-    """``corrections`` with the fields the mode's preset sets (:attr:`pdmask.MaskMode.corrections`,
-    from the resolved thresholds); a field given another value is refused (the preset would
-    override it), one given the same value is kept (a resolved record reloads)."""
-    if mode.corrections is None:
-        return corrections
-    preset = mode.corrections(thresholds)
-    default = Corrections()
-    for name, v in preset.items():
-        check_choice("corrections", name, CORRECTION_FIELDS)
-        given = getattr(corrections, name)
-        if (corrections.is_cap_given if name == "is_cap" else given != getattr(default, name)) and given != v:
-            raise SpecError(name, f"mode {mode.name!r} sets it to {v!r} from its thresholds ({mode.doc}); "
-                                  f"leave it unset, or choose another mode")
-    return replace(corrections, **preset)
 
 
 def _spec(name: str, value, cls):
@@ -511,16 +493,6 @@ def _loss(spec: PolicyLoss, stats: TokenStats, adv: torch.Tensor, agg: Aggregati
         metrics.update(anchor_metrics(behaviour, w_beh, adv, valid, th.delta_low, th.delta_high))
     metrics["loss"] = loss.detach()
     return PolicyLossOutput(loss, metrics, per, keep_eff | ~valid, stats)
-
-
-def ratio_weight(log_ratio: torch.Tensor, corrections: Corrections) -> torch.Tensor:
-    """An anchored loss's ratio part of the IS weight, ``r' = pi/pi_old``: ``min(r', C)``, and
-    ``clip(r', is_floor, C)`` when the corrections truncate from below (``cispo``), computed as
-    :func:`pdmask.importance_weights` truncates, so that anchor = mu gives today's weight."""
-    c = corrections
-    if c.is_floor is None or c.is_mask:
-        return is_weight(log_ratio, c.is_cap)
-    return log_ratio.detach().clamp(max=MAX_LOG_RATIO).exp().clamp(min=c.is_floor, max=c.is_cap)
 
 
 # ------------------------------------------------------------------ functions

@@ -14,12 +14,15 @@ A smooth surrogate (``drpo``, ``spo``, ``smooth``) masks nothing: the region is 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
 from ._validate import SpecError, check_choice, check_positive
+from .corrections import FIELDS as CORRECTION_FIELDS
+from .corrections import Corrections
 from .divergences import default_delta
 from .keys import DDOT_KEY, DIVERGENCES, ESTIMATORS, SUPPORTS
 from .surrogates import (  # noqa: F401  (re-exported: the surrogates' names as masks held them before)
@@ -260,6 +263,23 @@ for _m in [
       for d in ("topk_kl", "topk_tv")),
 ]:
     register_mode(_m)
+
+
+def with_preset(corrections: Corrections, mode: MaskMode, thresholds: Thresholds) -> Corrections:
+    """``corrections`` with the fields the mode's preset sets (:attr:`pdmask.MaskMode.corrections`,
+    from the resolved thresholds); a field given another value is refused (the preset would
+    override it), one given the same value is kept (a resolved record reloads)."""
+    if mode.corrections is None:
+        return corrections
+    preset = mode.corrections(thresholds)
+    default = Corrections()
+    for name, v in preset.items():
+        check_choice("corrections", name, CORRECTION_FIELDS)
+        given = getattr(corrections, name)
+        if (corrections.is_cap_given if name == "is_cap" else given != getattr(default, name)) and given != v:
+            raise SpecError(name, f"mode {mode.name!r} sets it to {v!r} from its thresholds ({mode.doc}); "
+                                  f"leave it unset, or choose another mode")
+    return dataclasses.replace(corrections, **preset)
 
 
 def check_inputs_for(mode: MaskMode, has_topk: bool, has_full: bool, extras=(), *, where: str = "rollout.") -> None:

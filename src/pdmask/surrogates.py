@@ -303,6 +303,17 @@ def check_advantage_scale(checks: Checks, adv, valid, dtype: torch.dtype, surrog
                "overflow to inf/NaN; scale the advantages down (normalise them)", total > limit)
 
 
+def ratio_weight(log_ratio: torch.Tensor, corrections) -> torch.Tensor:
+    """An anchored loss's ratio part of the IS weight, ``r' = pi/pi_old``, under the
+    :class:`pdmask.Corrections` ``corrections``: ``min(r', C)``, and ``clip(r', is_floor, C)`` when
+    they truncate from below (``cispo``), computed as :func:`pdmask.importance_weights` truncates,
+    so that anchor = mu gives today's weight."""
+    c = corrections
+    if c.is_floor is None or c.is_mask:
+        return is_weight(log_ratio, c.is_cap)
+    return log_ratio.detach().clamp(max=MAX_LOG_RATIO).exp().clamp(min=c.is_floor, max=c.is_cap)
+
+
 def check_corrections(surrogate, corrections, *, dual_clip: float | None = None, mode: str = "") -> None:
     """What a surrogate cannot honour of :class:`pdmask.Corrections`, from its declaration: one
     that takes no IS weight (it differentiates its ratio pi/mu, already the token IS weight)
