@@ -498,7 +498,9 @@ def test_report_dir_writes_the_page_with_its_records_and_report_only_rewrites_it
     assert "copied the records of 48 runs" in r.stdout
     page = results / "ladder.md"
     first = page.read_text()
-    assert f"Written by `pdmask ladder --spec {spec_path} --out {out} --report-only --report-dir {results}`." in first
+    # the command line is portable (pdmask.train.portable): paths relative to where it ran, no machine path
+    assert "Written by `pdmask ladder --spec " in first and "--report-only --report-dir " in first
+    assert str(tmp_path) not in first
     assert "| hard | none | 8 |" in first and "Machine time: 1.5 min over 1 invocation(s)" in first
     assert (results / "ladder.png").exists() and (results / "hard" / "summary.md").exists()
     assert sorted(p.name for p in (results / "hard" / "none-s0").iterdir()) == ["config.yaml", "metrics.jsonl",
@@ -507,7 +509,7 @@ def test_report_dir_writes_the_page_with_its_records_and_report_only_rewrites_it
     shutil.rmtree(out)  # the runs are gone: only the committed records remain
     run_cli(["ladder", "--spec", spec_path, "--out", results, "--report-only"], cwd=tmp_path)
     second = page.read_text()
-    assert f"Written by `pdmask ladder --spec {spec_path} --out {results} --report-only`." in second
+    assert "Written by `pdmask ladder --spec " in second and "--report-only`." in second
     assert _page(page) == [x for x in first.splitlines() if not x.startswith("Written by `pdmask ladder")]
     assert json.loads((results / "ladder.json").read_text())["rungs"][1]["cells_done"] == 24
 
