@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -101,7 +102,10 @@ def test_an_intact_prefix_source_is_taken(prefix_ladder, tmp_path, cli_run):
     assert code == 0, err
     assert f"took {cell.key}: the first 2 of the 4 steps of {src}\n" in out
     assert ran == []  # nothing left to run
-    assert json.loads((cell.cfg.run_dir / "summary.json").read_text())["prefix_of"]["run"] == str(src)
+    # Recorded relative to the run's own directory (no machine path in a record), and it resolves to the source.
+    recorded = json.loads((cell.cfg.run_dir / "summary.json").read_text())["prefix_of"]["run"]
+    assert not Path(recorded).is_absolute()
+    assert (cell.cfg.run_dir / recorded).resolve() == src.resolve()
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
