@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import env_line, interleaved_times, summary  # noqa: E402
 
 import pdmask  # noqa: E402
-from pdmask.lab.batchmask import batch_mask  # noqa: E402
+from pdmask_lab.batchmask import batch_mask  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 from pdmask.train.config import load_config  # noqa: E402
 from pdmask.train.model import build_model, num_params  # noqa: E402

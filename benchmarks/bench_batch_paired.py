@@ -7,8 +7,8 @@ runs of several modes on the same seeds and data. For ``--mode`` against every
 
 - final held-out accuracy, mean of the last 5 evals, eval AUC, worst drop: mean paired
   difference (mode - reference) with a seed-bootstrap 95% interval and the exact two-sided
-  sign-flip p (:func:`pdmask.lab.seed_summary.seed_summary`, which calls
-  :func:`pdmask.lab.significance.paired_difference`);
+  sign-flip p (:func:`pdmask_lab.seed_summary.seed_summary`, which calls
+  :func:`pdmask_lab.significance.paired_difference`);
 - collapse (the ladder's rule: held-out accuracy fell >= ``--collapse-drop`` below its
   running best, or the final accuracy is below the run's step-0 SFT accuracy): k/n per
   mode and McNemar's exact test on the seeds where exactly one of the two collapsed;
@@ -29,11 +29,11 @@ import math
 import sys
 from pathlib import Path
 
-from pdmask.lab.significance import format_interval, format_p, mcnemar_exact, min_sign_flip_p, pooled_ratio
+from pdmask_lab.significance import format_interval, format_p, mcnemar_exact, min_sign_flip_p, pooled_ratio
 from pdmask.train.logging import read_jsonl
 from pdmask.train.portable import portable_path
-from pdmask.lab.report import find_runs
-from pdmask.lab.seed_summary import seed_summary
+from pdmask_lab.report import find_runs
+from pdmask_lab.seed_summary import seed_summary
 
 #: (key in the across-seed summary, label, format)
 METRICS = [("eval_final", "final acc", ".3f"), ("eval_last5", "last-5 evals", ".3f"),
@@ -41,7 +41,7 @@ METRICS = [("eval_final", "final acc", ".3f"), ("eval_last5", "last-5 evals", ".
 
 
 def collapsed(run: dict, step0: float | None, drop: float) -> bool:
-    """The mismatch ladder's collapse rule (pdmask.lab.ladder_report on the ladder branch)."""
+    """The mismatch ladder's collapse rule (pdmask_lab.ladder_report on the ladder branch)."""
     return run["worst_drop"] >= drop - 1e-12 or (step0 is not None and run["eval_final"] < step0 - 1e-12)
 
 

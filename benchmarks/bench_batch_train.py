@@ -181,7 +181,7 @@ class Phases:
 
     @contextlib.contextmanager
     def patched(self):
-        import pdmask.lab.batchmask.mask as M
+        import pdmask_lab.batchmask.mask as M
 
         saved = [(M.dirl, "response_logits"), (M, "token_stats"), (M.pre, "precondition_"),
                  (M.dirl, "jvp_logprob"), (M, "jvp_top_logprob"), (torch.autograd, "grad")]
@@ -204,7 +204,7 @@ def breakdown(cfg, model, opt, ro, mb, lasts, rounds, restore) -> dict:
     from pdmask import Corrections, Sampling
     from pdmask.loss import policy_loss
     from pdmask.train.config import replace
-    from pdmask.lab.batchmask.trainer import batch_masker
+    from pdmask_lab.batchmask.trainer import batch_masker
     b = ro.batch
     idx = list(range(mb))
     from pdmask.train.update import select

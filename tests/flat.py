@@ -49,9 +49,9 @@ def specs(**kw) -> dict:
     for arg, fields in groups.items():
         out[arg] = SPEC_CLASS[arg](**fields)
     if out.get("batch_ddot") is not None:  # the batch mask's direction: the per-token extra its modes read
-        import pdmask.lab.batchmask
+        import pdmask_lab.batchmask
 
-        out["extras"] = {pdmask.lab.batchmask.DDOT: out.pop("batch_ddot")}
+        out["extras"] = {pdmask_lab.batchmask.DDOT: out.pop("batch_ddot")}
     out.pop("batch_ddot", None)
     return out
 
@@ -117,7 +117,7 @@ def batch_mask(model, *args, **kw):
     """The batch mask with its flat keywords (``delta_low``, ``temperature``) packed into
     :class:`pdmask.Thresholds` / :class:`pdmask.Sampling`."""
     pos, rest = mask_args(*args, **kw)
-    from pdmask.lab.batchmask import batch_mask as lab_batch_mask
+    from pdmask_lab.batchmask import batch_mask as lab_batch_mask
 
     packed = {k: v for k, v in rest.items() if SPEC_OF.get(k, ("",))[0] in BATCH_SPECS}
     rest = {k: v for k, v in rest.items() if k not in packed}

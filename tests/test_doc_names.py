@@ -1,5 +1,5 @@
-"""Every ``pdmask.<...>`` name the method and architecture pages point at exists, so that
-the formula -> code hop of docs/METHOD.md never lands on a renamed function."""
+"""Every ``pdmask.<...>`` and ``pdmask_lab.<...>`` name the method and architecture pages point
+at exists, so that the formula -> code hop of docs/METHOD.md never lands on a renamed function."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-NAME = re.compile(r"`(pdmask(?:\.\w+)+)")
+NAME = re.compile(r"`(pdmask(?:_lab)?(?:\.\w+)+)")  # the library's names and the lab's
 
 
 def resolve(dotted: str):

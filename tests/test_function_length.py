@@ -1,6 +1,6 @@
 """No function of pdmask is longer than :data:`MAX_LINES` lines: a function that long is
-several functions (docs/ARCHITECTURE.md). Every module under src/pdmask is parsed with
-``ast`` (nothing is imported); methods and nested functions count on their own, a
+several functions (docs/ARCHITECTURE.md). Every module under src/pdmask and
+lab/src/pdmask_lab (the lab) is parsed with ``ast`` (nothing is imported); methods and nested functions count on their own, a
 function's length includes its docstring and decorators' line."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+LAB_SRC = Path(__file__).resolve().parents[1] / "lab" / "src"
 MAX_LINES = 100
 #: Functions over the limit while their rewrite is under way elsewhere, each with the work
 #: that removes it. The test fails as soon as one of them fits (then it leaves this table),
@@ -40,8 +41,8 @@ def function_lengths(src: Path = SRC, pkg: str = "pdmask") -> dict[str, int]:
 
 
 def test_no_function_is_over_the_limit():
-    lengths = function_lengths()
-    assert len(lengths) > 500  # the scan sees the package
+    lengths = {**function_lengths(), **function_lengths(LAB_SRC, "pdmask_lab")}
+    assert len(lengths) > 500 and "pdmask_lab.audit.runner.run_audit" in lengths  # the scan sees both packages
     over = {name: n for name, n in lengths.items() if n > MAX_LINES}
     assert {k: v for k, v in over.items() if k not in PENDING} == {}
     fixed = [name for name in PENDING if name not in over]

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: ``pip install`` (any flags) of the name ``pdmask`` with or without extras, not followed by ``@`` (a
 #: direct reference such as ``@ file://...``)
 INDEX_HINT = re.compile(r"""pip install(?:\s+-[-\w]+)*\s+(['"]?)pdmask(?:\[[^\]]*\])?\1(?![\w\[-])(?!\s*@)""")
-WHERE = ("src", "docs", "examples", "tests", "configs", "benchmarks", ".ci", "README.md", "pyproject.toml")
+WHERE = ("src", "lab", "docs", "examples", "tests", "configs", "benchmarks", ".ci", "README.md", "pyproject.toml")
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ""}
 
 

@@ -22,7 +22,7 @@ TEXT = (".md", ".json", ".jsonl", ".yaml", ".yml", ".txt", ".csv", ".tsv")
 
 def _files() -> list[Path]:
     docs = [p for p in (REPO / "docs").rglob("*") if p.is_file() and p.suffix in TEXT]
-    return sorted(docs) + [p for p in (REPO / "README.md", REPO / "mkdocs.yml") if p.exists()]
+    return sorted(docs) + [p for p in (REPO / "README.md", REPO / "mkdocs.yml", REPO / "lab" / "README.md") if p.exists()]
 
 
 def test_the_pattern_finds_machine_paths_and_nothing_else():

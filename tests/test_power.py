@@ -1,4 +1,4 @@
-"""pdmask.lab.power: the smallest paired difference a seed design detects, checked against the
+"""pdmask_lab.power: the smallest paired difference a seed design detects, checked against the
 sign-flip test it simulates and against the paired t-test's closed form for normal noise."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from pdmask.lab.power import _check, _PowerCurve, _prepare, detectable_shift
-from pdmask.lab.significance import sign_flip_test
+from pdmask_lab.power import _check, _PowerCurve, _prepare, detectable_shift
+from pdmask_lab.significance import sign_flip_test
 
 NORMAL = np.random.default_rng(1).normal(size=4000)
 

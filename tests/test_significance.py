@@ -1,4 +1,4 @@
-"""pdmask.lab.significance: hand-worked values, independent brute-force references, properties."""
+"""pdmask_lab.significance: hand-worked values, independent brute-force references, properties."""
 
 import itertools
 import math
@@ -10,7 +10,7 @@ np = pytest.importorskip("numpy")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pdmask.lab.significance import (  # noqa: E402
+from pdmask_lab.significance import (  # noqa: E402
     binomial_test,
     format_interval,
     format_p,
@@ -289,7 +289,7 @@ def test_pooled_ratio_properties(rows):
 
 # ------------------------------------------------------------------ Clopper-Pearson
 def test_clopper_pearson_hand_worked():
-    from pdmask.lab.significance import clopper_pearson
+    from pdmask_lab.significance import clopper_pearson
 
     # k = 0: lo = 0 and P(X = 0 | hi) = (1 - hi)^n = 0.025  ->  hi = 1 - 0.025^(1/n)
     lo, hi = clopper_pearson(0, 8)
@@ -305,7 +305,7 @@ def test_clopper_pearson_hand_worked():
 
 @pytest.mark.parametrize("k,n", [(1, 10), (4, 8), (3, 7), (6, 8), (17, 40)])
 def test_clopper_pearson_solves_its_defining_equations(k, n):
-    from pdmask.lab.significance import clopper_pearson
+    from pdmask_lab.significance import clopper_pearson
 
     def cdf(j, p):  # P(X <= j), exact rationals of the binomial coefficients
         return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(j + 1))
@@ -319,7 +319,7 @@ def test_clopper_pearson_solves_its_defining_equations(k, n):
 
 
 def test_clopper_pearson_bad_input():
-    from pdmask.lab.significance import clopper_pearson
+    from pdmask_lab.significance import clopper_pearson
 
     with pytest.raises(ValueError, match="k: must be <= n"):
         clopper_pearson(3, 2)

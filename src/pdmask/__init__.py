@@ -19,7 +19,7 @@ Public API (pure tensor functions taking a few typed objects):
 - :data:`MODES`, :func:`register_mode`, :class:`MaskMode` — the mode registry, with the
   building blocks of a mode: regions :func:`divergence_region`, :func:`ratio_region`;
   direction tests :func:`predictive`, :func:`ratio_sign`. The experimental batch-aware
-  modes register themselves when :mod:`pdmask.lab.batchmask` is imported.
+  modes register themselves when :mod:`pdmask_lab.batchmask` is imported.
 - :data:`SURROGATES`, :func:`register_surrogate`, :class:`Surrogate` — the per-token loss forms
   (:func:`token_loss`); :func:`register_divergence`, :class:`TopKDivergence` — the top-K
   divergences (docs/core.md, "Adding a surrogate, a divergence or a mode").
@@ -29,6 +29,7 @@ Public API (pure tensor functions taking a few typed objects):
   ``corrections=`` :class:`Corrections`).
 """
 
+from . import _moved
 from ._validate import SpecError
 from .anchor import ANCHORS, Anchor
 from .corrections import RULES as REJECTION_RULES
@@ -49,6 +50,8 @@ from .stats import TokenStats, token_stats
 from .surrogates import SURROGATES, Surrogate, register_surrogate, token_loss
 
 __version__ = "0.1.0"
+
+_moved.install()  # `import pdmask.lab` names its new home, pdmask_lab, in one line
 
 __all__ = [
     "ANCHORS", "Aggregation", "Anchor", "Compute", "Corrections", "ESTIMATORS", "Hidden", "MODES", "MaskMode", "PolicyLoss",

@@ -5,7 +5,7 @@ for ``A > 0``, ``D > delta_low`` for ``A < 0``; ``grpo``: ``r`` outside ``[1 - e
 1 + eps_high]``) and its update is **outward** (:func:`outward`: ``A * direction > 0``, the
 direction ``log r`` for :func:`ratio_sign`, ``Ddot`` for :func:`predictive`). A mode is data,
 registered by name; its ``extras`` are per-token tensors the caller supplies
-(``policy_loss(..., extras=...)``; :mod:`pdmask.lab.batchmask` registers its modes so); its
+(``policy_loss(..., extras=...)``; :mod:`pdmask_lab.batchmask` registers its modes so); its
 surrogate is a name in :data:`pdmask.surrogates.SURROGATES` (the per-token loss forms, registered
 objects too); its ``corrections`` preset sets its IS weight from the thresholds (``cispo``).
 A smooth surrogate (``drpo``, ``spo``, ``smooth``) masks nothing: the region is the weight

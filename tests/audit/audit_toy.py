@@ -136,11 +136,11 @@ def llama_batch(model, engine, *, B: int = 3, P: int = 3, T: int = 5, K: int = 6
 # ------------------------------------------------------------------ settings
 def audit_config(*, step_mode: str = "none", delta_low=None, delta_high=None, temperature=None, loss_agg=None,
                  is_cap=None, **kw):
-    """An :class:`pdmask.lab.audit.AuditConfig` from the audit's step settings written flat
-    (as the tests state them): the loss spec is :func:`pdmask.lab.audit.config.audit_loss`
+    """An :class:`pdmask_lab.audit.AuditConfig` from the audit's step settings written flat
+    (as the tests state them): the loss spec is :func:`pdmask_lab.audit.config.audit_loss`
     of a trainer loss holding ``temperature``, ``loss_agg``, ``is_cap``, with ``step_mode``
     and the deltas of O."""
-    from pdmask.lab.audit import AuditConfig, audit_loss
+    from pdmask_lab.audit import AuditConfig, audit_loss
 
     trainer = {"sampling": {"temperature": temperature}, "aggregation": {"loss_agg": loss_agg},
                "corrections": {"is_cap": is_cap}}

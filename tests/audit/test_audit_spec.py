@@ -14,10 +14,10 @@ import yaml
 
 import pdmask
 from audit_toy import BigramLM, bigram_forward, perturbed, sample_batch
-from pdmask.lab.audit import AuditConfig
-from pdmask.lab.audit.cli import audit_command
-from pdmask.lab.audit.command import _configs, _fingerprint, _with_new_defaults
-from pdmask.lab.audit.steps import step_loss
+from pdmask_lab.audit import AuditConfig
+from pdmask_lab.audit.cli import audit_command
+from pdmask_lab.audit.command import _configs, _fingerprint, _with_new_defaults
+from pdmask_lab.audit.steps import step_loss
 from pdmask.train.update import ADAMW_BETAS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_what_the_audit_cannot_honour_is_refused_in_one_line(kw, msg):
 
 
 def test_the_leave_one_out_step_refuses_a_batch_normalised_weight():
-    from pdmask.lab.audit.loo import BatchStep
+    from pdmask_lab.audit.loo import BatchStep
 
     pol = BigramLM(vocab=12, dim=8)
     rb, adv = sample_batch(perturbed(pol, 0.3), seed=0)

@@ -18,7 +18,7 @@ import pdmask
 
 from audit_toy import audit_config, Bandit, bandit_forward
 from tests.flat import token_stats
-from pdmask.lab.audit import AuditConfig, audit_batch, classify, isolated_param_changes, logit_step_changes
+from pdmask_lab.audit import AuditConfig, audit_batch, classify, isolated_param_changes, logit_step_changes
 from pdmask.engine.base import RolloutBatch
 
 F64 = torch.float64

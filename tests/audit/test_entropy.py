@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pdmask.lab.audit.criteria import entropy_ddot
+from pdmask_lab.audit.criteria import entropy_ddot
 
 
 def _autograd_hdot(logits, ids, T):

@@ -2,7 +2,7 @@
 
 import torch
 
-from pdmask.lab.audit.fidelity import effective_ks, fidelity_counts, summarize_fidelity
+from pdmask_lab.audit.fidelity import effective_ks, fidelity_counts, summarize_fidelity
 
 
 def _case(noise: float, seed=0, B=4, T=8, V=40):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pdmask.lab.audit.grid import grid_markdown, select_cells
+from pdmask_lab.audit.grid import grid_markdown, select_cells
 
 
 def test_cells_are_the_product_in_run_order():
@@ -41,7 +41,7 @@ def test_reproduce_line_names_the_cells_and_every_setting():
 
 def _fp(**trainer):
     """A fingerprint as the audit writes it today (the trainer section as ``comparable`` puts it)."""
-    from pdmask.lab.audit.command import _NEUTRAL_TRAIN_KEYS
+    from pdmask_lab.audit.command import _NEUTRAL_TRAIN_KEYS
     from pdmask.train.config import comparable, load_config
 
     t = {k: v for k, v in comparable(load_config(None, trainer).to_dict()).items() if k not in _NEUTRAL_TRAIN_KEYS}
@@ -66,7 +66,7 @@ def test_seeds_written_before_a_trainer_field_existed_resume_at_its_default(tmp_
     """A seed directory whose settings predate a trainer field (here: the off-policy
     corrections), in the flat version of the trainer config, is resumed when the field is
     at its default, refused when it is not."""
-    from pdmask.lab.audit.command import _seed_dir
+    from pdmask_lab.audit.command import _seed_dir
 
     new = _fp()
     old = {**new, "trainer": _flat_without("is_level", "is_mask")}

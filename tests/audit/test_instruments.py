@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from audit_toy import audit_config, llama_batch, perturbed, tiny_llama  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
-from pdmask.lab.audit.instruments import (GROUPS, _dot, inner_products, optimizer_preconditioner,  # noqa: E402
+from pdmask_lab.audit.instruments import (GROUPS, _dot, inner_products, optimizer_preconditioner,  # noqa: E402
                                           token_objectives)
-from pdmask.lab.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
+from pdmask_lab.audit.steps import copy_in, rollout_stats, trainable  # noqa: E402
 from pdmask.engine.hf import response_logits  # noqa: E402
 
 F64 = torch.float64

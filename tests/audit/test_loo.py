@@ -8,8 +8,8 @@ import torch
 import pdmask
 
 from audit_toy import BigramLM, audit_config, bigram_forward, perturbed, sample_batch
-from pdmask.lab.audit.loo import BatchStep, aggregation_weights
-from pdmask.lab.audit.steps import batch_step, rollout_stats
+from pdmask_lab.audit.loo import BatchStep, aggregation_weights
+from pdmask_lab.audit.steps import batch_step, rollout_stats
 
 F64 = torch.float64
 

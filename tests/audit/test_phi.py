@@ -1,4 +1,4 @@
-"""The batch-mask evaluation (pdmask.lab.audit.phi): the leave-one-out difference is two
+"""The batch-mask evaluation (pdmask_lab.audit.phi): the leave-one-out difference is two
 explicit steps, the matched-fraction selection picks the top-m of O, the summary pools."""
 
 import copy
@@ -10,8 +10,8 @@ import pdmask
 
 pytest.importorskip("transformers", reason="the evaluation builds a transformers model")
 
-from pdmask.lab.audit.phi import PhiSettings, PhiStep, copy64, main, top_m  # noqa: E402
-from pdmask.lab.audit.phi_report import sign_counts, summarize  # noqa: E402
+from pdmask_lab.audit.phi import PhiSettings, PhiStep, copy64, main, top_m  # noqa: E402
+from pdmask_lab.audit.phi_report import sign_counts, summarize  # noqa: E402
 from pdmask.engine.hf import HFEngine, response_logits  # noqa: E402
 from tests.flat import policy_loss  # noqa: E402
 from tests.flat import token_stats  # noqa: E402
@@ -133,7 +133,7 @@ def length_parity(text: str, answer: str) -> float:
 
 
 def test_cli_runs_end_to_end_and_resumes(tmp_path, capsys):
-    """``python -m pdmask.lab.audit.phi`` on a tiny built-in model with lag steps (warm AdamW):
+    """``python -m pdmask_lab.audit.phi`` on a tiny built-in model with lag steps (warm AdamW):
     phi.json / phi.md written; a rerun reuses the finished seeds; bad settings: one line."""
     over = ["vocab_size=300", "hidden_size=32", "intermediate_size=64", "num_layers=1", "num_heads=2",
             "train_size=300", "eval_size=8", "sft_steps=0", "prompts_per_step=2", "group_size=4",
@@ -176,7 +176,7 @@ def test_a_run_stored_with_flat_deltas_resumes(tmp_path):
     current terms: the same deltas resume, other deltas are refused."""
     import json
 
-    from pdmask.lab.audit.phi import PhiRun
+    from pdmask_lab.audit.phi import PhiRun
 
     th = {"delta_low": 0.005, "delta_high": 0.005, "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}
     (tmp_path / "settings.json").write_text(json.dumps({"divergence": "topk_kl", "delta_low": 0.005,
@@ -213,7 +213,7 @@ def test_the_committed_phi_pages_rebuild_from_their_json(name):
     import json
     from pathlib import Path
 
-    from pdmask.lab.audit.phi_report import markdown
+    from pdmask_lab.audit.phi_report import markdown
 
     d = Path(__file__).resolve().parents[2] / "docs" / "results" / name
     assert markdown(json.loads((d / "phi.json").read_text())) == (d / "phi.md").read_text()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from audit_toy import BigramLM, audit_config, bigram_forward, perturbed, sample_batch
-from pdmask.lab.audit import AuditConfig, audit_batch, run_audit, summarize_all
-from pdmask.lab.audit.fidelity import effective_ks
-from pdmask.lab.audit.report import write_report
+from pdmask_lab.audit import AuditConfig, audit_batch, run_audit, summarize_all
+from pdmask_lab.audit.fidelity import effective_ks
+from pdmask_lab.audit.report import write_report
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_run_and_report(setup, tmp_path, check_environment):
     z = np.load(tmp_path / "audit_tokens.npz")
     assert z["D"].shape[0] == o["n_tokens"] and set(z["seed"]) == {0, 1} and list(z["seeds"]) == [0, 1]
     # every rate table, recomputed from the records alone, is the one in audit.json
-    from pdmask.lab.audit.report import _jsonable, report_from_records
+    from pdmask_lab.audit.report import _jsonable, report_from_records
     again = _jsonable(report_from_records(tmp_path / "audit_tokens.npz"))
     assert again["rates"] == doc["summary"]["rates"] and again["group_shares"] == doc["summary"]["group_shares"]
     assert set(doc["summary"]["rates"]) >= {"batch", "logit", "param", "own", "isolated"}
@@ -125,7 +125,7 @@ def test_run_and_report(setup, tmp_path, check_environment):
 def test_batch_step_optimizer_state_is_used_and_not_changed(setup):
     import copy
 
-    from pdmask.lab.audit.steps import batch_step
+    from pdmask_lab.audit.steps import batch_step
     pol, eng = setup
     rb, adv = sample_batch(eng, seed=2)
     A = adv[:, None].expand(rb.response_mask.shape).float()

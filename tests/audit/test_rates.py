@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdmask.lab.audit.rates import classify, classify_seed, rate
+from pdmask_lab.audit.rates import classify, classify_seed, rate
 from pdmask.masks import Thresholds, divergence_region
 
 # Eight tokens. Columns: A, D, log r (ratio criterion), Ddot (predictive), dD (realized).

@@ -4,8 +4,8 @@ every table recomputable from the per-token records."""
 import numpy as np
 import pytest
 
-from pdmask.lab.audit.report import rate_table, summary_table
-from pdmask.lab.audit.tables import disagreement, tables
+from pdmask_lab.audit.report import rate_table, summary_table
+from pdmask_lab.audit.tables import disagreement, tables
 
 
 def records(rows):

@@ -5,7 +5,7 @@ import torch
 
 from tests import flat  # noqa: E402
 
-from pdmask.lab.batchmask import batch_mask
+from pdmask_lab.batchmask import batch_mask
 
 from .helpers import TinyLM, make_batch
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.lab.batchmask import BatchMask, batch_mask, preconditioner
+from pdmask_lab.batchmask import BatchMask, batch_mask, preconditioner
 
 from .helpers import (
     F64, TinyLM, logits_of, make_batch, naive_divergence, per_token_oracle, region_and_weights, tiny_llama,

@@ -1,12 +1,12 @@
 """The core's extension point as the batch-aware mask uses it: the ``pdm-batch-*`` modes that
-:mod:`pdmask.lab.batchmask` registers read its direction as the per-token extra ``ddot_batch``
+:mod:`pdmask_lab.batchmask` registers read its direction as the per-token extra ``ddot_batch``
 (``extras=``; the tests' flat ``batch_ddot=`` keyword)."""
 
 import pytest
 import torch
 
 import pdmask
-from pdmask.lab.batchmask import DDOT as BATCH_DDOT
+from pdmask_lab.batchmask import DDOT as BATCH_DDOT
 from tests import flat  # noqa: E402
 
 
@@ -87,15 +87,15 @@ def test_bad_batch_ddot_gets_one_line_errors_and_padding_junk_is_ignored():
 
 def test_the_batch_modes_are_registered_by_the_batch_mask_not_by_import_pdmask():
     """``import pdmask`` loads no batch mask and knows no ``pdm-batch-*`` mode; importing
-    ``pdmask.lab.batchmask`` registers them on the core's extension point (``MaskMode.extras``)."""
+    ``pdmask_lab.batchmask`` registers them on the core's extension point (``MaskMode.extras``)."""
     import subprocess
     import sys
     from pathlib import Path
 
     code = ("import sys, pdmask\n"
-            "assert not [m for m in sys.modules if m.startswith('pdmask.lab.batchmask')]\n"
+            "assert not [m for m in sys.modules if m.startswith('pdmask_lab.batchmask')]\n"
             "assert not [m for m in pdmask.MODES if m.startswith('pdm-batch-')]\n"
-            "import pdmask.lab.batchmask\n"
+            "import pdmask_lab.batchmask\n"
             "modes = [m for m in pdmask.MODES if m.startswith('pdm-batch-')]\n"
             "assert len(modes) == 4 and all(pdmask.MODES[m].extras == ('ddot_batch',) for m in modes), modes\n"
             "print('ok')\n")

@@ -17,7 +17,7 @@ import json, resource, sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 from batchmask.helpers import TinyLM, make_batch
-import pdmask.lab.batchmask
+import pdmask_lab.batchmask
 m = TinyLM(vocab=512, d=256, layers=2, heads=4, ff=1024, max_pos=128, seed=0)
 b = make_batch(m, B=2, P=4, T={T}, seed=0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -26,7 +26,7 @@ methods = []
 for method, params in (("jvp", "all"), ("double-backward", "all"), ("jvp", 1)):
     r = pdmask.Rollout(b["input_ids"][:, -{T}:], b["rollout_logprob"], b["rollout_topk_ids"], b["rollout_topk_logprobs"],
                        b["response_mask"])
-    out = pdmask.lab.batchmask.batch_mask(m, b["input_ids"], b["attention_mask"], r, b["advantages"], method=method, params=params,
+    out = pdmask_lab.batchmask.batch_mask(m, b["input_ids"], b["attention_mask"], r, b["advantages"], method=method, params=params,
                             optimizer=opt)
     methods.append(out.method)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -5,7 +5,7 @@ import torch
 
 from tests import flat  # noqa: E402
 
-from pdmask.lab.batchmask import batch_mask, select_params
+from pdmask_lab.batchmask import batch_mask, select_params
 from pdmask.train.trainable import decoder_parts
 
 from .helpers import TinyLM, make_batch, per_token_oracle, tiny_llama

@@ -7,7 +7,7 @@ import torch
 
 import pdmask
 from pdmask._validate import prepare
-from pdmask.lab.batchmask import out_of_region_divergence
+from pdmask_lab.batchmask import out_of_region_divergence
 
 from .helpers import F64, naive_divergence
 from tests import flat  # noqa: E402

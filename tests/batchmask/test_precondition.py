@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.lab.batchmask import batch_mask, preconditioner
+from pdmask_lab.batchmask import batch_mask, preconditioner
 
 from .helpers import TinyLM, logits_of, make_batch, region_and_weights
 from tests import flat  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pdmask
-from pdmask.lab.batchmask import BatchMask
+from pdmask_lab.batchmask import BatchMask
 
 from .helpers import TinyLM, logits_of, make_batch
 from tests import flat  # noqa: E402

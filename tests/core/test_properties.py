@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdmask
-import pdmask.lab.batchmask  # noqa: F401  (its modes are drawn too)
+import pdmask_lab.batchmask  # noqa: F401  (its modes are drawn too)
 from pdmask.masks import SMOOTH_SURROGATES
 from tests import flat  # noqa: E402
 

@@ -232,7 +232,7 @@ def test_unknown_support_is_one_line_listing_the_valid_values(call):
 
 
 def test_support_refused_where_it_cannot_apply():
-    import pdmask.lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes)
+    import pdmask_lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes)
 
     with pytest.raises(ValueError, match=r"^support: mode 'pdm-batch-topk-kl' works on the support topk\+sampled "
                                          r"only, not 'topk'"):

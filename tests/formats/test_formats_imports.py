@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 FORMATS = Path(__file__).resolve().parents[2] / "src" / "pdmask" / "formats"
-FORBIDDEN = ("pdmask.engine", "pdmask.train", "pdmask.lab", "pdmask.integrations")
+FORBIDDEN = ("pdmask.engine", "pdmask.train", "pdmask_lab", "pdmask.integrations")
 
 
 def imported_modules(path: Path) -> list[str]:

@@ -18,8 +18,8 @@ pytest.importorskip("safetensors")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "audit"))
 from audit_toy import BigramLM, bigram_forward, perturbed, sample_batch  # noqa: E402
 
-from pdmask.lab.audit import AuditConfig, run_audit  # noqa: E402
-from pdmask.lab.audit import command as C  # noqa: E402
+from pdmask_lab.audit import AuditConfig, run_audit  # noqa: E402
+from pdmask_lab.audit import command as C  # noqa: E402
 
 
 @pytest.fixture(scope="module")

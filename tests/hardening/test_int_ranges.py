@@ -101,7 +101,7 @@ def test_compare_with_a_huge_seed_count_is_refused_at_once(tmp_path, monkeypatch
 
 
 def test_plan_runs_bounds_the_seeds_for_library_callers(smoke):
-    from pdmask.lab.compare import plan_runs
+    from pdmask_lab.compare import plan_runs
 
     cfg = load_config(smoke, {})
     t = time.perf_counter()
@@ -114,7 +114,7 @@ def test_plan_runs_bounds_the_seeds_for_library_callers(smoke):
 
 
 def test_a_ladder_spec_with_too_many_seeds_is_refused_before_planning(tmp_path, smoke):
-    from pdmask.lab.ladder import load_spec
+    from pdmask_lab.ladder import load_spec
 
     spec = tmp_path / "l.yaml"
     spec.write_text(f"config: {smoke}\nmodes: [pdm-topk-kl]\nseeds: 99999999999999999999\n"

@@ -14,7 +14,7 @@ import yaml
 
 pytest.importorskip("transformers", reason="the ladder needs the 'train' extra")
 
-from pdmask.lab.ladder import load_spec, plan_cells  # noqa: E402
+from pdmask_lab.ladder import load_spec, plan_cells  # noqa: E402
 
 from .test_cli_config import one_line_error  # noqa: E402
 
@@ -60,7 +60,7 @@ OWN = [k for k in DAMAGE if not k.startswith("summary")]  # a cell's summary.jso
 @pytest.mark.parametrize("plan", [False, True], ids=["ladder", "plan"])
 @pytest.mark.parametrize("damage", OWN)
 def test_a_damaged_record_of_a_cell_is_one_line_naming_it(damage, plan, tmp_path, smoke, cli_run, monkeypatch):
-    from pdmask.lab import ladder
+    from pdmask_lab import ladder
 
     monkeypatch.setattr(ladder, "_run_cells", lambda *a, **k: pytest.fail("a cell ran"))
     spec = _spec(tmp_path, smoke)
@@ -78,7 +78,7 @@ def test_a_damaged_record_of_a_cell_is_one_line_naming_it(damage, plan, tmp_path
 def prefix_ladder(tmp_path, smoke, monkeypatch):
     """A ladder (one cell, 2 steps) and a prefix source ladder whose cell finished 4 steps of
     the same config; running cells and building the report are recorded, not done."""
-    from pdmask.lab import compare, ladder, ladder_report  # noqa: F401
+    from pdmask_lab import compare, ladder, ladder_report  # noqa: F401
     from pdmask.train import grpo, sft  # noqa: F401
 
     # grpo and compare bind ensure_sft_checkpoint at import: imported above, before the patch,
@@ -128,7 +128,7 @@ def test_a_damaged_prefix_source_is_not_taken_naming_the_file_and_the_cell_runs(
 
 def test_a_cell_whose_prefix_source_is_damaged_really_runs(tmp_path, smoke, smoke_cache, cli_run):
     """No mock: the refused source leaves nothing in the cell, which trains to the end."""
-    from pdmask.lab.ladder import cell_status
+    from pdmask_lab.ladder import cell_status
 
     spec = _spec(tmp_path, smoke)
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""``python -m pdmask.lab.same_reading`` on damaged report folders (issue 41, causes 1 and 2):
+"""``python -m pdmask_lab.same_reading`` on damaged report folders (issue 41, causes 1 and 2):
 a missing, empty, truncated, binary or wrong-type report file on either side gives one line
 naming the file and exit 1, never a traceback; a number the new build reads as null, a string
 or an object is counted as lost and fails; a rung folder only one build has is named."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pdmask.lab.same_reading import main, same_reading
+from pdmask_lab.same_reading import main, same_reading
 
 LADDER = {"rows": [{"mode": "grpo", "final": 0.5, "n": 4}], "wall": {"s": 1.0}}
 SUMMARY = {"final": {"mean": 0.25, "ci": [0.1, 0.4]}}
@@ -60,7 +60,7 @@ def test_a_damaged_report_file_gives_one_line_naming_it(tmp_path, capsys, side, 
 def test_the_module_never_tracebacks_on_a_damaged_file(tmp_path):
     old, new = _build(tmp_path / "old"), _build(tmp_path / "new")
     (new / "ladder.json").write_bytes(b'{"rows": [')
-    p = subprocess.run([sys.executable, "-m", "pdmask.lab.same_reading", str(old), str(new)],
+    p = subprocess.run([sys.executable, "-m", "pdmask_lab.same_reading", str(old), str(new)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr + p.stdout
     assert f"{new / 'ladder.json'}: not valid JSON" in p.stdout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pdmask
-import pdmask.lab.batchmask  # noqa: F401  (its modes are every mode too)
+import pdmask_lab.batchmask  # noqa: F401  (its modes are every mode too)
 from tests import flat  # noqa: E402
 
 from _ops_cases import oracle_rows
@@ -61,7 +61,7 @@ def test_token_stats_all_keys_agree(dtype, temperature):
 def test_policy_loss_every_mode_value_grad_mask(mode, dtype):
     b = _batch(dtype, seed=3)
     full = "full" in pdmask.get_mode(mode).needs
-    # the batch modes' direction comes from the model (pdmask.lab.batchmask); any signed (B, T) will do here
+    # the batch modes' direction comes from the model (pdmask_lab.batchmask); any signed (B, T) will do here
     bd = torch.randn(b["sampled_ids"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     bd = bd if pdmask.get_mode(mode).extras else None
     outs, grads = {}, {}

@@ -9,7 +9,7 @@ import torch
 
 import pdmask
 
-from pdmask.lab.batchmask import batch_mask
+from pdmask_lab.batchmask import batch_mask
 from pdmask.engine.hf import HFEngine, response_logits
 from tests.flat import policy_loss
 from pdmask.train.config import load_config, replace

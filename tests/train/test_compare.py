@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pdmask.lab.compare import plan_runs
+from pdmask_lab.compare import plan_runs
 from pdmask.train.config import comparable, load_config
 from pdmask.train.logging import read_jsonl
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from compare_toy import make_compare_dir, runs_of, write_run
 
-from pdmask.lab.seed_summary import DETECTABLE_HEADER, resolution_note, run_scalars, seed_markdown, seed_summary
+from pdmask_lab.seed_summary import DETECTABLE_HEADER, resolution_note, run_scalars, seed_markdown, seed_summary
 
 
 @pytest.fixture
@@ -226,7 +226,7 @@ def test_shares_in_the_per_mode_table(compare_dir):
 
 
 def test_the_auc_power_line_reads_the_auc_differences(tmp_path):
-    from pdmask.lab.power import detectable_shift
+    from pdmask_lab.power import detectable_shift
 
     root = tmp_path / "eight"
     for mode in ("dppo-topk-kl", "none"):

@@ -171,7 +171,7 @@ def test_replace_keeps_what_was_given():
 def test_a_committed_flat_record_loads_and_equals_its_cell():
     """docs/results/real-rl/fp8-sync3/none-s0/config.yaml was written by the flat config
     (mode, delta_low, is_cap: 5.0, ...): it loads, and it is the spec's cell."""
-    from pdmask.lab.ladder import load_spec, plan_cells
+    from pdmask_lab.ladder import load_spec, plan_cells
 
     rec = ROOT / "docs/results/real-rl/fp8-sync3/none-s0"
     stored = stored_config(rec)

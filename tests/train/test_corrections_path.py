@@ -10,7 +10,7 @@ import torch
 from pdmask.engine.hf import HFEngine
 from pdmask.engine.registry import build_engine
 from pdmask.ops import sampling_kept_mask
-import pdmask.lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes' trainer forward)
+import pdmask_lab.batchmask  # noqa: F401  (registers the pdm-batch-* modes' trainer forward)
 from pdmask.ops import Sampling
 from pdmask.train.config import load_config
 from pdmask.train.update import compute_loss

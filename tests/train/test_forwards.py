@@ -26,22 +26,22 @@ def test_a_batch_mode_without_the_lab_is_refused_naming_mode():
     # the lab registers the batch modes: without it the name is not a registered mode
     assert r.stdout.startswith("mode: unknown value 'pdm-batch-topk-kl'; valid values are: ") and \
         "pdm-topk-kl" in r.stdout
-    assert "pdmask.lab.batchmask" in r.stdout
+    assert "pdmask_lab.batchmask" in r.stdout
 
 
 def test_importing_the_lab_registers_the_batch_forward():
-    r = _run("import pdmask.lab.batchmask\n"
+    r = _run("import pdmask_lab.batchmask\n"
              "from pdmask.train.config import load_config\n"
              "from pdmask.train.forwards import FORWARDS, forward_for\n"
              "cfg = load_config(None, ['mode=pdm-batch-topk-kl'])\n"
              "print(sorted(FORWARDS), forward_for(cfg.loss.mode).forward.__module__, forward_for('pdm-topk-kl'))\n")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["['ddot_batch']", "pdmask.lab.batchmask.trainer", "None"]
+    assert r.stdout.split() == ["['ddot_batch']", "pdmask_lab.batchmask.trainer", "None"]
 
 
 def test_the_registered_check_refuses_a_bad_batch_method():
-    pytest.importorskip("pdmask.lab.batchmask")
-    import pdmask.lab.batchmask  # noqa: F401
+    pytest.importorskip("pdmask_lab.batchmask")
+    import pdmask_lab.batchmask  # noqa: F401
     from pdmask.train.config import load_config
 
     with pytest.raises(ValueError, match=r"^batch_method: unknown value 'fast'; valid values are: auto, jvp"):

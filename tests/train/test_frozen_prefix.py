@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pdmask.engine.hf import response_logits, sample
-from pdmask.lab.audit.steps import copy_in
+from pdmask_lab.audit.steps import copy_in
 from pdmask.train.config import load_config
 from pdmask.train.frozen_prefix import prefix_hidden, recording, skipping, step_start
 from pdmask.train.model import build_model
@@ -211,7 +211,7 @@ def test_bad_values_are_one_line_naming_the_key(over, msg):
 
 
 def test_always_with_a_mode_that_runs_its_own_forward_is_refused():
-    pytest.importorskip("pdmask.lab.batchmask")
+    pytest.importorskip("pdmask_lab.batchmask")
     with pytest.raises(ValueError, match="frozen_prefix_cache: mode 'pdm-batch-topk-kl' runs its own forward"):
         load_config(None, TINY + ["loss.mode=pdm-batch-topk-kl", "frozen_prefix_cache=always"])
     assert load_config(None, TINY + ["loss.mode=pdm-batch-topk-kl"]).frozen_prefix_cache == "auto"

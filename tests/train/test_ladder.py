@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from pdmask.train.grpo import TIME_KEYS
-from pdmask.lab.ladder import cell_status, load_spec, plan_cells, run_ladder
-from pdmask.lab.ladder_plot import plot_data
-from pdmask.lab.ladder_report import build_report
+from pdmask_lab.ladder import cell_status, load_spec, plan_cells, run_ladder
+from pdmask_lab.ladder_plot import plot_data
+from pdmask_lab.ladder_report import build_report
 from pdmask.train.logging import read_jsonl
 
 
@@ -386,7 +386,7 @@ def test_cells_not_run_yet_are_one_note_per_rung(constructed):
 
 
 def test_rung_labels_of_close_rungs_do_not_overlap():
-    from pdmask.lab.ladder_plot import _label_positions
+    from pdmask_lab.ladder_plot import _label_positions
 
     # width 0.1 decades: a label takes [x - 0.1, x] (left of x) or [x, x + 0.1] (right of x)
     pos = _label_positions({"fp32": 1e-8, "bf16": 1e-4, "a": 4.2e-3, "b": 6.8e-3, "c": 1.5e-2, "d": 1.9e-2},
@@ -447,7 +447,7 @@ def _rep(rungs, reference="ref"):
 
 
 def test_pooled_flips_whole_seeds_and_keeps_a_balanced_design():
-    from pdmask.lab.ladder_pooled import pooled_vs_reference
+    from pdmask_lab.ladder_pooled import pooled_vs_reference
 
     ref = {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.5, 4: 0.5}
     rep = _rep({
@@ -515,7 +515,7 @@ def test_report_dir_writes_the_page_with_its_records_and_report_only_rewrites_it
 
 
 def test_export_mirrors_every_run_and_drops_a_record_the_run_lost(constructed, tmp_path):
-    from pdmask.lab.ladder_report import export_records
+    from pdmask_lab.ladder_report import export_records
 
     spec, out = constructed
     dest = tmp_path / "results"

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from pdmask.lab.report import has_delta, legend_label, plot_curve_bands, plot_eval_bands, plot_runs  # noqa: E402
+from pdmask_lab.report import has_delta, legend_label, plot_curve_bands, plot_eval_bands, plot_runs  # noqa: E402
 
 
 @pytest.mark.parametrize("group,shown", [

@@ -1,4 +1,4 @@
-"""The live display of ``compare`` / ``ladder --jobs N`` (pdmask.lab.live): each running run's
+"""The live display of ``compare`` / ``ladder --jobs N`` (pdmask_lab.live): each running run's
 step i of n, last reward and ETA, read from its metrics.jsonl as the trainer appends to it."""
 
 import io
@@ -6,7 +6,7 @@ import json
 
 from rich.console import Console
 
-from pdmask.lab.live import RunsProgress, Watched, last_record
+from pdmask_lab.live import RunsProgress, Watched, last_record
 
 
 def _append(run_dir, *recs):

@@ -12,10 +12,10 @@ import yaml
 
 from pdmask.train.config import load_config, replace
 from pdmask.train.grpo import TIME_KEYS, train
-from pdmask.lab.ladder import cell_status, load_spec, plan_cells, run_ladder
-from pdmask.lab.ladder_report import build_report, wall_times
+from pdmask_lab.ladder import cell_status, load_spec, plan_cells, run_ladder
+from pdmask_lab.ladder_report import build_report, wall_times
 from pdmask.train.logging import read_jsonl
-from pdmask.lab.prefix import PREFIX_KEY, take_prefix
+from pdmask_lab.prefix import PREFIX_KEY, take_prefix
 
 # summary keys that depend on wall-clock time or on the machine, not on the run's numbers
 _CLOCK = ("time_step_s_median", "time_update_s_median", "update_s_per_1k_tokens_median", "wall_s",

@@ -1,4 +1,4 @@
-"""The break criteria of the regime sweep (pdmask.lab.regime) on constructed curves: each
+"""The break criteria of the regime sweep (pdmask_lab.regime) on constructed curves: each
 criterion fires at the step its definition names, a steady run meets none, and the rung's
 verdict and the paired test read the per-seed outcomes."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import yaml
 
-from pdmask.lab import regime
-from pdmask.lab.significance import mcnemar_exact
+from pdmask_lab import regime
+from pdmask_lab.significance import mcnemar_exact
 
 
 def recs(n=12, *, entropy=1.0, finish=0.9, length=20.0, mismatch=0.01, evals=None, **over):

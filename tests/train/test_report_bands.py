@@ -5,8 +5,8 @@ import json
 import pytest
 from compare_toy import REF, make_compare_dir, runs_of
 
-from pdmask.lab.report import eval_bands, plot_curve_bands, plot_eval_bands, summary_markdown
-from pdmask.lab.seed_summary import seed_markdown, seed_summary, seed_tables
+from pdmask_lab.report import eval_bands, plot_curve_bands, plot_eval_bands, summary_markdown
+from pdmask_lab.seed_summary import seed_markdown, seed_summary, seed_tables
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_report_rebuilds_the_summary_in_a_compare_dir(compare_dir, tmp_path, cli
 @pytest.mark.parametrize("text, says", [("{not json", "not a readable JSON summary"), ("[1, 2]", "holds a list")])
 def test_a_damaged_summary_is_named_in_one_line(compare_dir, text, says):
     """A run's damaged summary.json is refused naming the file, not a JSONDecodeError traceback."""
-    from pdmask.lab.report import load_summaries
+    from pdmask_lab.report import load_summaries
 
     runs = runs_of(compare_dir)
     bad = runs[1] / "summary.json"
@@ -112,7 +112,7 @@ def test_every_mode_in_a_figure_gets_its_own_colour():
     registers, must get pairwise different colours."""
     from matplotlib.colors import to_rgb
 
-    from pdmask.lab.report import _COLORS, mode_colors
+    from pdmask_lab.report import _COLORS, mode_colors
     from pdmask.masks import MODES
 
     names = list(MODES) + [f"user-mode-{i}" for i in range(16 - sum(m not in _COLORS for m in MODES))]

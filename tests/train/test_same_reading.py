@@ -1,4 +1,4 @@
-"""Two builds of a report read the same records the same way (pdmask.lab.same_reading), and
+"""Two builds of a report read the same records the same way (pdmask_lab.same_reading), and
 every committed ladder page is what the current code builds from the records beside it."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmask.lab.same_reading import main, report_files, same_reading
+from pdmask_lab.same_reading import main, report_files, same_reading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,8 @@ COMMITTED = [("real-regime", "configs/real-regime.yaml"), ("real-regime-pilot", 
 
 @pytest.mark.parametrize("folder,spec", COMMITTED, ids=[c[0] for c in COMMITTED])
 def test_committed_ladder_pages_rebuild_from_their_records(tmp_path, folder, spec):
-    from pdmask.lab.ladder import load_spec
-    from pdmask.lab.ladder_report import build_report
+    from pdmask_lab.ladder import load_spec
+    from pdmask_lab.ladder_report import build_report
 
     src = ROOT / "docs" / "results" / folder
     work = tmp_path / folder

@@ -1,4 +1,4 @@
-"""The stale-engine comparison's report (pdmask.lab.stale_report) on constructed records with
+"""The stale-engine comparison's report (pdmask_lab.stale_report) on constructed records with
 known answers: runs grouped by label (a MODE@old variant never merged with MODE), each
 criterion counted on its own with McNemar against each versus label, the paired final
 accuracy / AUC, the token-pooled anchor diagnostics, the by-lag table, the answers page and
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmask.lab import stale_report as sr
-from pdmask.lab.stale_render import answers_markdown, stale_markdown
+from pdmask_lab import stale_report as sr
+from pdmask_lab.stale_render import answers_markdown, stale_markdown
 
 STEPS, SYNC = 8, 4
 
@@ -162,8 +162,8 @@ def test_unfinished_and_misnamed_runs_are_left_out_and_named(tmp_path):
 
 
 def test_the_ladder_summary_and_break_table_group_by_label(cell):
-    from pdmask.lab.regime import rung_breaks
-    from pdmask.lab.seed_summary import seed_summary
+    from pdmask_lab.regime import rung_breaks
+    from pdmask_lab.seed_summary import seed_summary
 
     runs = sorted(p for p in cell.iterdir())
     s = seed_summary(runs, reference="dppo-topk-kl", n_boot=200)
@@ -176,7 +176,7 @@ def test_the_ladder_summary_and_break_table_group_by_label(cell):
 
 
 def test_markdown_prints_every_criterion_its_definition_and_the_tests(cell):
-    from pdmask.lab.regime import STALE_CRITERIA, STALE_DEFINITIONS
+    from pdmask_lab.regime import STALE_CRITERIA, STALE_DEFINITIONS
 
     md = stale_markdown(sr.stale_report(cell, command="cmd"))
     for c in STALE_CRITERIA:
@@ -212,7 +212,7 @@ def test_cli_writes_the_report_from_a_copy_of_the_records(tmp_path, monkeypatch,
     assert (tmp_path / "results" / "rung" / "none-s0" / "eval_answers.jsonl").is_file()
     assert not (tmp_path / "results" / "rung" / "none-s0" / "model.safetensors").exists()
     md = (tmp_path / "results" / "stale.md").read_text()
-    assert "Written by `python -m pdmask.lab.stale_report runs/rung --records-to results/rung --out results" in md
+    assert "Written by `python -m pdmask_lab.stale_report runs/rung --records-to results/rung --out results" in md
     assert str(tmp_path) not in md and str(tmp_path) not in (tmp_path / "results" / "stale.json").read_text()
     assert "`x`" in (tmp_path / "results" / "answers.md").read_text()
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pdmask.train.config import TrainConfig
-from pdmask.lab.task_stats import task_stats, task_stats_md, write_task_stats
+from pdmask_lab.task_stats import task_stats, task_stats_md, write_task_stats
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, train_size=300,
             eval_size=8, sft_steps=0, prompts_per_step=2, group_size=4, max_new_tokens=6, threads=1,

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from pdmask.lab.audit.steps import copy_in
+from pdmask_lab.audit.steps import copy_in
 from pdmask.engine.hf import HFEngine, response_logits, sample
 from pdmask.engine.registry import MissingExtra
 from pdmask.train.config import load_config, replace
@@ -277,7 +277,7 @@ def test_the_audit_of_a_lora_run_gives_its_engine_the_merged_weights(tmp_path, c
     """A run directory of a LoRA run, audited with another engine precision (fp32): the
     engine is synced from the policy (merged), so its log-probs are the policy's."""
     _peft()
-    from pdmask.lab.audit.source import build_source
+    from pdmask_lab.audit.source import build_source
     from pdmask.train.grpo import train
 
     cfg = load_config(smoke_config, [f"cache_dir={cache_dir}", f"out_dir={tmp_path}", "progress=false",

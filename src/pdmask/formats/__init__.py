@@ -9,7 +9,7 @@ Pure converters: they duck-type the engines' output objects and import no engine
 - :mod:`pdmask.formats.sglang` -- SGLang ``meta_info`` (nested or flat raw format).
 
 Layering: like the core, this package never imports ``pdmask.engine``, ``pdmask.train``,
-``pdmask.lab`` or ``pdmask.integrations``; the rollout engines and the framework
+``pdmask_lab`` or ``pdmask.integrations``; the rollout engines and the framework
 plugins import it.
 """
 

@@ -2,7 +2,7 @@
 
 A mode whose ``extras`` name a per-token tensor that the rollout does not carry (the
 ``pdm-batch-*`` modes' batch direction) gets it from a :class:`TrainerForward`, registered by the package
-that computes it when that package is imported (:mod:`pdmask.lab.batchmask`). The trainer
+that computes it when that package is imported (:mod:`pdmask_lab.batchmask`). The trainer
 looks forwards up here (:func:`forward_for`, in :func:`pdmask.train.update.compute_loss`
 and :meth:`pdmask.train.config.TrainConfig.validate`) and never imports that package.
 """
@@ -31,7 +31,7 @@ class TrainerForward:
 
 #: ``MaskMode.extras`` name -> the forward that provides it. The package that computes the
 #: input registers it when imported (the ``pdm-batch-*`` modes' batch direction:
-#: :mod:`pdmask.lab.batchmask`), so the trainer never imports it.
+#: :mod:`pdmask_lab.batchmask`), so the trainer never imports it.
 FORWARDS: dict[str, TrainerForward] = {}
 def register_forward(extra: str, forward: Callable, check: Callable | None = None) -> None:
     """Register the trainer forward of the modes that read the per-token extra ``extra``
@@ -47,6 +47,6 @@ def forward_for(mode) -> TrainerForward | None:
     missing = [n for n in extra if n not in FORWARDS]
     if missing:
         raise ValueError(f"mode: {mm.name!r} reads the per-token {missing[0]}, computed by a trainer forward that is not "
-                         "registered; import the package that provides it (pdmask.lab.batchmask for the "
+                         "registered; import the package that provides it (pdmask_lab.batchmask for the "
                          "pdm-batch-* modes; the pdmask command line does)")
     return FORWARDS[extra[0]] if extra else None

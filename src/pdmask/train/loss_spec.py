@@ -181,7 +181,7 @@ def spec_fields_of(obj) -> dict[str, Any]:
 def _renamed(e: ValueError, names: Mapping) -> ValueError:
     """A spec's error (:class:`pdmask.SpecError`, which names its field) with the field named as
     the config key it came from; another error as it is. An unknown mode adds where the modes
-    a package registers come from (the ``pdm-batch-*`` modes: :mod:`pdmask.lab.batchmask`)."""
+    a package registers come from (the ``pdm-batch-*`` modes: :mod:`pdmask_lab.batchmask`)."""
     if not isinstance(e, SpecError):
         return e
     path = e.field if e.field in loss_leaves() else {p.rsplit('.', 1)[-1]: p for p in loss_leaves()}.get(e.field)
@@ -189,7 +189,7 @@ def _renamed(e: ValueError, names: Mapping) -> ValueError:
         return e
     if path == "mode" and e.problem.startswith("unknown value"):
         e = SpecError(e.field, f"{e.problem} (a package's own modes are registered when it is imported: "
-                               "pdmask.lab.batchmask for pdm-batch-*, which the pdmask command line imports)")
+                               "pdmask_lab.batchmask for pdm-batch-*, which the pdmask command line imports)")
     return e.renamed(names.get(path) or key_of(path))
 
 

@@ -109,7 +109,7 @@ def compute_loss(model, batch: RolloutBatch, advantages: torch.Tensor, cfg: Trai
             good).
         optimizer: the optimizer that will take the step this loss is for. Required by
             the ``pdm-batch-*`` modes (its current state is the preconditioner P of the
-            batch direction, :mod:`pdmask.lab.batchmask`); ignored by the others.
+            batch direction, :mod:`pdmask_lab.batchmask`); ignored by the others.
         anchor: pi_old's :class:`pdmask.Anchor` for this batch (``anchor: old``), else None.
         prefix: this batch's cached frozen prefix (:class:`pdmask.train.frozen_prefix.PrefixRows`,
             ``frozen_prefix_cache``): the forward runs the trained blocks only; None: the whole model.

@@ -126,7 +126,7 @@ def mode_refusal(mode) -> str | None:
         return UNSUPPLIED_NEEDS.get(need, f"needs {need!r} inputs, which the TRL trainer does not supply")
     if mode.extras:
         return (f"needs the per-token tensor(s) {', '.join(mode.extras)} from its caller (the batch modes' model-"
-                "aware direction, pdmask.lab.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
+                "aware direction, pdmask_lab.batchmask), which the TRL trainer does not compute; use a *-topk-* mode")
     return None
 
 
