@@ -201,7 +201,7 @@ def test_a_run_with_the_cache_writes_the_metrics_of_a_run_without(tmp_path, cach
 @pytest.mark.parametrize("over,msg", [
     (["frozen_prefix_cache=sometimes"], "frozen_prefix_cache: unknown value 'sometimes'; valid values are: auto, "
                                         "always, never"),
-    (["frozen_prefix_cache=true"], "frozen_prefix_cache: expected str, got True"),  # YAML's true is no value of it
+    (["frozen_prefix_cache=true"], "frozen_prefix_cache: expected a string, got True: YAML reads an unquoted"),  # YAML's true is no value of it
     (["frozen_prefix_cache=always", "train_blocks=0"], "frozen_prefix_cache: always needs train_blocks >= 1"),
 ])
 def test_bad_values_are_one_line_naming_the_key(over, msg):

@@ -442,6 +442,9 @@ def _coerce(key: str, value: Any) -> Any:
         return str(value)
     if tp is str and value is None:
         return ""
+    if tp is str and isinstance(value, bool):  # YAML reads an unquoted yes/no/on/off/true/false as a bool
+        raise ValueError(f"{key}: expected a string, got {value!r}: YAML reads an unquoted true/yes/on or "
+                         f"false/no/off as a boolean; quote the value or give one of the key's named values")
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ValueError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
     return value
