@@ -58,3 +58,37 @@ def test_environment_records_the_interpreter_by_name():
     exe = environment()["executable"]
     assert exe.startswith(Path(sys.executable).name) and "/" not in exe
     assert exe.endswith(" (venv)") == (sys.prefix != sys.base_prefix)
+
+
+def test_a_runs_config_yaml_holds_no_absolute_path(tmp_path, monkeypatch):
+    """open_run writes config.yaml with out_dir and cache_dir portable (relative to the working
+    directory, ~/... under home, else their last two parts); read back, it is the same run
+    (config_diff), its cache resolves to the same directory, and model_path stays as given."""
+    import yaml
+
+    from pdmask.train import grpo
+    from pdmask.train.config import config_diff, load_config
+    from pdmask.train.named_models import models_root
+    from pdmask.train.sft import cache_root
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(grpo, "setup", lambda cfg, console: "S")  # the writer, without the model
+    model_dir = str(tmp_path / "models" / "mine")
+    cfg = load_config(None, {"out_dir": str(work / "runs"), "cache_dir": str(home / ".cache" / "pdm"),
+                             "model_path": model_dir, "name": "r"})
+    assert grpo.open_run(cfg, resume=False, console=None) == ("S", 0)
+    text = (work / "runs" / "r" / "config.yaml").read_text()
+    stored = yaml.safe_load(text)
+    assert stored["out_dir"] == "runs" and stored["cache_dir"] == "~/.cache/pdm"
+    assert stored["model_path"] == model_dir  # compared when a stored run is reused: as given
+    assert str(work) not in text.replace(model_dir, "") and str(home) not in text
+    assert config_diff(stored, cfg) == {}
+    back = load_config(work / "runs" / "r" / "config.yaml")
+    assert cache_root(back) == home / ".cache" / "pdm" == cache_root(cfg)
+    assert models_root(back.cache_dir) == home / ".cache" / "pdm" / "models"
+    # outside the working directory and home: the last two parts, never the absolute path
+    other = load_config(None, {"out_dir": "/elsewhere/deep/runs", "cache_dir": ""})
+    assert grpo.recorded_config(other)["out_dir"] == ".../deep/runs" and grpo.recorded_config(other)["cache_dir"] == ""

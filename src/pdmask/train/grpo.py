@@ -48,6 +48,7 @@ from .config import TrainConfig
 from .environment import environment, torch_threads
 from .finite import first_nonfinite, stop, trained_parameters, watch
 from .logging import RunLogger, read_jsonl, truncate_jsonl
+from .portable import portable_path
 from .loss_spec import mode_record, resolved_fields
 from .model import encode_prompts, load_model_and_tokenizer, num_params
 from .preflight import check_lengths, check_run
@@ -61,8 +62,8 @@ from .anchoring import BindingLog, anchor_mismatch, region_warning
 from .frozen_prefix import step_start
 from .update import make_optimizer, select, update_step
 
-__all__ = ["Setup", "TIME_KEYS", "open_run", "rollout_seed", "setup", "step_metrics", "step_prompts", "summarize",
-           "train"]
+__all__ = ["Setup", "TIME_KEYS", "open_run", "recorded_config", "rollout_seed", "setup", "step_metrics",
+           "step_prompts", "summarize", "train"]
 
 #: keys whose values depend on wall-clock time (excluded from resume comparisons)
 TIME_KEYS = ("time_rollout_s", "time_update_s", "time_step_s", "time_eval_s", "tokens_per_s", "wall_s",
@@ -153,8 +154,22 @@ def open_run(cfg: TrainConfig, *, resume: bool, console) -> tuple[Setup, int]:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # killed before its first checkpoint
     run_dir.mkdir(parents=True, exist_ok=True)
     with writing(run_dir / "config.yaml"):
-        (run_dir / "config.yaml").write_text(_yaml(cfg.to_dict()))
+        (run_dir / "config.yaml").write_text(_yaml(recorded_config(cfg)))
     return S, start
+
+
+#: the config keys config.yaml writes by :func:`pdmask.train.portable.portable_path`: where the run
+#: and the cache were on the machine that ran it, which changes no result (config.NEUTRAL_KEYS)
+PORTABLE_KEYS = ("out_dir", "cache_dir")
+
+
+def recorded_config(cfg: TrainConfig) -> dict:
+    """``cfg.to_dict()`` as ``config.yaml`` holds it: ``out_dir`` and ``cache_dir`` never absolute
+    (relative to the working directory, ``~/...``, or their last two parts). ``model_path``,
+    ``train_file`` and ``eval_file`` stay as given: a stored run is compared with a config by them
+    (:func:`pdmask.train.config.config_diff`), and a named model (``smollm2-135m``) is no path."""
+    d = cfg.to_dict()
+    return {k: portable_path(v) if k in PORTABLE_KEYS and isinstance(v, str) and v else v for k, v in d.items()}
 
 
 # ------------------------------------------------------------------ the loop

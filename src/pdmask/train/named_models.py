@@ -119,7 +119,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 def models_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """``cache_dir`` (a trainer config's) or ``$PDMASK_CACHE`` (default ``~/.cache/pdmask``), + ``/models``."""
     base = cache_dir or os.environ.get("PDMASK_CACHE") or Path.home() / ".cache" / "pdmask"
-    return Path(base) / "models"
+    return Path(base).expanduser() / "models"  # "~/...": how a run's config.yaml records a cache_dir under home
 
 
 def _check_gguf_deps() -> None:

@@ -46,8 +46,8 @@ _KEY_FIELDS = ("model_path", "arch", "vocab_size", "hidden_size", "num_layers", 
 
 
 def cache_root(cfg) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir)
+    if cfg.cache_dir:  # "~/..." too: a run's config.yaml writes a cache_dir under home so (portable.py)
+        return Path(cfg.cache_dir).expanduser()
     return Path(os.environ.get("PDMASK_CACHE", Path.home() / ".cache" / "pdmask"))
 
 
