@@ -41,7 +41,7 @@ def one_run(skip: bool, a, out: Path) -> dict:
         use_cpu=True, seed=0, mask_mode="pdm-topk-kl", mask_delta_low=r["mask_delta"],
         mask_delta_high=r["mask_delta"], rollout_top_k=20)
     tr = GRPOTrainer(model=model, reward_funcs=ex.reward_first_number, args=args,
-                     train_dataset=ex.largest_dataset(64), processing_class=tokenizer)
+                     train_dataset=ex.largest_dataset(ex.largest_task(64).train), processing_class=tokenizer)
     tr._pdmask_skip_old_logps = skip
     spent = []
     scoring = tr._get_per_token_logps_and_entropies

@@ -31,7 +31,8 @@ def test_the_example_learns_on_smollm2(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("train_grpo_real", EXAMPLE)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
-    tr = ex.main(["--model", "smollm2-135m", "--max-steps", "4", "--output-dir", str(tmp_path)])
+    tr = ex.main(["--model", "smollm2-135m", "--max-steps", "4", "--eval-every", "4", "--eval-prompts", "8",
+                  "--output-dir", str(tmp_path)])
 
     logs = [h for h in tr.state.log_history if "pdmask/kept_frac" in h]
     assert len(logs) == 4
@@ -51,5 +52,14 @@ def test_the_example_learns_on_smollm2(tmp_path, capsys):
         assert logs[i]["pdmask/kept_frac"] == 1.0 and logs[i]["pdmask/divergence_max"] < 1e-4, logs[i]
     assert tr.args.num_iterations == 2 and tr.args.mask_delta_low == 2e-3 and tr.args.mask_mode == "pdm-topk-kl"
     out = capsys.readouterr().out
-    printed = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    printed = [ln for ln in out.splitlines() if ln.startswith("step ") and ": loss " in ln]  # the table at the end
     assert len(printed) == 4 and all("kept " in ln and "divergence mean" in ln for ln in printed), printed
+    live = [ln for ln in out.splitlines() if ln.startswith(("step 1/4 ", "step 2/4 ", "step 3/4 ", "step 4/4 "))]
+    assert len(live) == 4 and all(" heldout " in ln and " s/step" in ln for ln in live), live
+    # held-out greedy accuracy of the built-in trainer's first 8 held-out problems, at steps 0 and 4
+    import json
+
+    held = [json.loads(ln) for ln in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in held] == [0, 4] and all(h["n_prompts"] == 8 for h in held)
+    assert all(set(h["scores"]) <= {0.0, 1.0} and h["accuracy"] == sum(h["scores"]) / 8 for h in held)
+    assert held[0]["finished"] > 0.5  # the instruct model ends its answers within 24 tokens

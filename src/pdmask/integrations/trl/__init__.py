@@ -10,6 +10,10 @@ Supported TRL: :data:`SUPPORTED_TRL` (the subclasses override private TRL method
 each TRL minor release is checked before it is admitted). Importing this module with
 another TRL version raises ``ImportError``; set ``PDMASK_TRL_ALLOW_UNSUPPORTED=1`` to
 try anyway (a warning is issued). See ``docs/trl.md``.
+
+Held-out evaluation and a readable line per step during training: :func:`heldout_callbacks`
+(``heldout.py``; ``evaluate(model)`` is the caller's, e.g. the built-in trainer's greedy
+evaluation as ``examples/trl/train_grpo.py`` composes it).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ TRL_VERSION = _check_trl_version()
 
 from .capture import TopKRecorder  # noqa: E402
 from .config import PDMaskGRPOConfig  # noqa: E402
+from .heldout import HeldoutCallback, StepLineCallback, heldout_callbacks  # noqa: E402
 from .shutdown import finish_and_exit  # noqa: E402
 from .trainer import PDMaskGRPOTrainer  # noqa: E402
 
@@ -49,5 +54,5 @@ from .trainer import PDMaskGRPOTrainer  # noqa: E402
 GRPOConfig = PDMaskGRPOConfig
 GRPOTrainer = PDMaskGRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "PDMaskGRPOConfig", "PDMaskGRPOTrainer", "SUPPORTED_TRL", "TRL_VERSION",
-           "TopKRecorder", "finish_and_exit"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "HeldoutCallback", "PDMaskGRPOConfig", "PDMaskGRPOTrainer", "SUPPORTED_TRL",
+           "StepLineCallback", "TRL_VERSION", "TopKRecorder", "finish_and_exit", "heldout_callbacks"]
