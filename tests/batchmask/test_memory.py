@@ -17,6 +17,7 @@ import json, resource, sys, torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 from batchmask.helpers import TinyLM, make_batch
+import pdmask
 import pdmask_lab.batchmask
 m = TinyLM(vocab=512, d=256, layers=2, heads=4, ff=1024, max_pos=128, seed=0)
 b = make_batch(m, B=2, P=4, T={T}, seed=0)
