@@ -34,6 +34,12 @@ from .rollout import Rollout
 ANCHORS = ("rollout", "old")
 #: The anchored rollout's fields that hold the anchor's values (their errors name ``anchor.``).
 ANCHOR_FIELDS = ("sampled_logprob", "topk_logprobs", "logits")
+#: Share of response tokens out of region before any update above which a run warns (once):
+#: a region that already excludes this much of the batch at its own centre measures the
+#: anchor's noise, not the step (docs/core.md, "Choosing the anchor"). Every front end reads it here.
+WARN_OUT_BEFORE_UPDATE = 0.05
+#: The suggested delta leaves this share of tokens out of region before any update.
+SUGGESTED_OUT_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -198,3 +204,30 @@ def anchor_metrics(behaviour: Behaviour, w_beh: torch.Tensor, adv: torch.Tensor,
                  anchor_divergence_q90=torch.where(valid.any(), q90.to(d.dtype), torch.zeros_like(q90, dtype=d.dtype)),
                  anchor_out_of_region_frac=(beyond_delta(d, adv, delta_low, delta_high) & valid).sum() / n)
     return {k: v.detach() for k, v in m.items()}
+
+
+def start_quantiles(d: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``q50``, ``q90`` and ``suggested_delta`` (the ``1 - SUGGESTED_OUT_SHARE`` quantile, the
+    delta that would leave that share out) of a divergence ``d`` over the ``valid`` tokens, float64
+    scalars on ``d``'s device (0 without a valid token; no host sync). Naive torch:
+    ``torch.quantile(d[valid].double(), torch.tensor([0.5, 0.9, 1 - SUGGESTED_OUT_SHARE]))``."""
+    vals = torch.where(valid, d.detach().double(), torch.full((), float("nan"), dtype=torch.float64, device=d.device))
+    qs = torch.tensor([0.5, 0.9, 1 - SUGGESTED_OUT_SHARE], dtype=torch.float64, device=d.device)
+    q = torch.nanquantile(vals.reshape(-1), qs) if vals.numel() else torch.zeros_like(qs)
+    q = torch.where(valid.any(), q, torch.zeros_like(q))  # all-NaN (no valid token) -> 0
+    return {"q50": q[0], "q90": q[1], "suggested_delta": q[2]}
+
+
+def region_warning(out_share: float, q50: float, q90: float, suggested: float, thresholds,
+                   hint: str) -> str | None:
+    """The once-per-run warning of every front end (None at or below
+    :data:`WARN_OUT_BEFORE_UPDATE`): ``out_share`` of the tokens are out of region before any
+    update; delta (``thresholds.delta_low`` / ``delta_high``), the divergence's q50 / q90 there,
+    the suggested delta (:func:`start_quantiles`) and ``hint``, the front end's other remedy
+    (e.g. ``"anchor=old"``)."""
+    if out_share is None or not out_share > WARN_OUT_BEFORE_UPDATE:
+        return None
+    return (f"{out_share:.1%} of tokens are out of region before any update (more than {WARN_OUT_BEFORE_UPDATE:.0%}): "
+            f"delta = {thresholds.delta_low:g}/{thresholds.delta_high:g}, the divergence there has q50 "
+            f"{q50:.3g} and q90 {q90:.3g}; the region measures the anchor's noise: try delta ~ {suggested:.3g} "
+            f"(its q{100 * (1 - SUGGESTED_OUT_SHARE):.0f}) or {hint}")

@@ -243,3 +243,35 @@ def test_an_anchor_given_to_a_rollout_centred_loss_is_refused():
     with pytest.raises(pdmask.SpecError) as e:
         pdmask.PolicyLoss(anchor="middle")
     assert "rollout, old" in str(e.value)
+
+
+# ------------------------------------------------ the once-per-run region warning (every front end)
+def test_start_quantiles_are_float64_quantiles_of_the_valid_tokens():
+    g = torch.Generator().manual_seed(3)
+    d = torch.rand(4, 7, generator=g, dtype=torch.float32) ** 3
+    valid = torch.rand(4, 7, generator=g) > 0.3
+    d_pad = torch.where(valid, d, torch.full_like(d, 1e6))  # padding never counts
+    q = pdmask.anchor.start_quantiles(d_pad, valid)
+    want = torch.quantile(d[valid].double(), torch.tensor([0.5, 0.9, 1 - pdmask.anchor.SUGGESTED_OUT_SHARE], dtype=F64))
+    got = torch.stack([q["q50"], q["q90"], q["suggested_delta"]])
+    assert got.dtype == F64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the suggested delta leaves SUGGESTED_OUT_SHARE out (up to one token's interpolation)
+    out = float((d[valid].double() > q["suggested_delta"]).double().mean())
+    assert out <= pdmask.anchor.SUGGESTED_OUT_SHARE + 1 / int(valid.sum())
+    none = pdmask.anchor.start_quantiles(d, torch.zeros_like(valid))
+    assert all(float(v) == 0.0 for v in none.values())
+
+
+def test_region_warning_fires_above_the_share_and_names_its_numbers():
+    th = pdmask.Thresholds(0.002, 0.003)
+    w = pdmask.anchor.WARN_OUT_BEFORE_UPDATE
+    warn = pdmask.anchor.region_warning
+    assert warn(w, 0.01, 0.02, 0.03, th, "anchor=old") is None  # at the share: quiet
+    assert warn(w / 2, 0.01, 0.02, 0.03, th, "anchor=old") is None
+    assert warn(None, 0.01, 0.02, 0.03, th, "anchor=old") is None
+    msg = warn(0.375, 0.0123, 0.0456, 0.0789, th, 'anchor="old"')
+    assert msg is not None and "\n" not in msg
+    for part in ("37.5%", "0.002/0.003", "q50 0.0123", "q90 0.0456", "delta ~ 0.0789", "q95", 'anchor="old"',
+                 f"{w:.0%}"):
+        assert part in msg, (part, msg)

@@ -9,8 +9,9 @@
   add the step's drift), masked shares among ``A > 0`` and ``A < 0`` tokens, the anchor's
   distance at the start of the step (``D(mu, pi_old)``, or ``D(mu, pi)`` at mini-batch 1 with
   the rollout anchor) and the share of tokens out of region before any update.
-- :data:`WARN_OUT_BEFORE_UPDATE` — above this share out of region before any update, the
-  run warns once with delta, the divergence's q50 / q90 there and a suggested delta.
+- :func:`region_warning` — above :data:`pdmask.anchor.WARN_OUT_BEFORE_UPDATE` (shared by every
+  front end) out of region before any update, the run warns once with delta, the
+  divergence's q50 / q90 there and a suggested delta.
 
 Naive torch of the anchor forward (one mini-batch)::
 
@@ -24,18 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..anchor import Anchor, anchor_distance
+from ..anchor import Anchor, anchor_distance, start_quantiles
+from ..anchor import region_warning as _region_warning
 from ..engine.base import RolloutBatch
 from ..engine.hf import response_logits
 from ..masks import beyond_delta
-
-#: Share of response tokens out of region before any update above which a run warns (once):
-#: a region that already excludes this much of the batch at its own centre measures the
-#: anchor's noise, not the step (docs/core.md, "Choosing the anchor").
-WARN_OUT_BEFORE_UPDATE = 0.05
-#: The suggested delta leaves this share of tokens out of region before any update.
-SUGGESTED_OUT_SHARE = 0.05
-
 
 @dataclass
 class StepAnchor:
@@ -103,13 +97,6 @@ def anchor_mismatch(anchor: Anchor, rollout, vocab_size: int) -> dict[str, torch
     return {k: v.float() for k, v in out.items()}
 
 
-def _quantiles(d: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    vals = torch.where(valid, d.double(), torch.full_like(d, float("nan"), dtype=torch.float64)).reshape(-1)
-    q = torch.nanquantile(vals, torch.tensor([0.5, 0.9, 1 - SUGGESTED_OUT_SHARE], dtype=torch.float64)) \
-        if bool(valid.any()) else torch.zeros(3, dtype=torch.float64)
-    return {"start_divergence_q50": q[0], "start_divergence_q90": q[1], "start_divergence_suggested_delta": q[2]}
-
-
 @dataclass
 class BindingLog:
     """The step's where-it-binds metrics (module docstring), gathered per update, read once."""
@@ -147,7 +134,7 @@ class BindingLog:
             dv, valid = anchor.distance, anchor.valid
             self.start["mu_region_out_frac_at_start"] = anchor.mu_out_frac.double()
         self.start["start_divergence_mean"] = torch.where(valid, dv.double(), 0.0).sum() / valid.sum().clamp(min=1)
-        self.start.update(_quantiles(dv, valid))
+        self.start.update({f"start_divergence_{k}": v for k, v in start_quantiles(dv, valid).items()})
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """Means over the step's updates (and epochs), plus the start-of-step values."""
@@ -155,14 +142,10 @@ class BindingLog:
 
 
 def region_warning(rec: dict, cfg) -> str | None:
-    """The once-per-run warning when more than :data:`WARN_OUT_BEFORE_UPDATE` of the tokens are
-    out of region before any update (None otherwise, or without the numbers)."""
-    share = rec.get("out_before_update_frac")
-    if share is None or share <= WARN_OUT_BEFORE_UPDATE or "start_divergence_q90" not in rec:
+    """The once-per-run warning (:func:`pdmask.anchor.region_warning`) from a step's record when
+    more than :data:`pdmask.anchor.WARN_OUT_BEFORE_UPDATE` of the tokens are out of region before any update
+    (None otherwise, or without the numbers)."""
+    if "start_divergence_q90" not in rec:
         return None
-    th = cfg.loss.thresholds
-    return (f"{share:.1%} of tokens are out of region before any update (more than {WARN_OUT_BEFORE_UPDATE:.0%}): "
-            f"delta = {th.delta_low:g}/{th.delta_high:g}, the divergence there has q50 "
-            f"{rec['start_divergence_q50']:.3g} and q90 {rec['start_divergence_q90']:.3g}; the region measures the "
-            f"anchor's noise: try delta ~ {rec['start_divergence_suggested_delta']:.3g} (its q"
-            f"{100 * (1 - SUGGESTED_OUT_SHARE):.0f}) or anchor=old")
+    return _region_warning(rec.get("out_before_update_frac"), rec["start_divergence_q50"], rec["start_divergence_q90"],
+                           rec["start_divergence_suggested_delta"], cfg.loss.thresholds, "anchor=old")
