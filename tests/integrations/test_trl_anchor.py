@@ -237,9 +237,48 @@ def test_binding_metrics_by_update_index(tmp_path, anchor):
                 assert h["pdmask/start_divergence_mean"] == pytest.approx(h["pdmask/divergence_mean"], rel=1e-4)
                 assert h["pdmask/mu_region_out_frac_at_start"] == h["pdmask/out_before_update_frac"]
                 assert h["pdmask/out_before_update_frac"] > 0.5 or not bool(adv.any())  # A = 0: never out
-            assert 0 <= h["pdmask/start_divergence_q50"] <= h["pdmask/start_divergence_q90"]
+            assert 0 <= h["pdmask/start_divergence_q50"] <= h["pdmask/start_divergence_q90"] \
+                <= h["pdmask/start_divergence_suggested_delta"]
     assert any(h.get("pdmask/mb2_masked_frac", 0) > 0 for h in logs), "no token was masked after an update"
     assert all(math.isfinite(v) for h in logs for k, v in h.items() if k.startswith("pdmask/"))
+
+
+@pytest.mark.parametrize("anchor", ["rollout", "old"])
+def test_a_region_out_before_any_update_warns_once_per_run(tmp_path, recwarn, anchor):
+    """A delta far below the noisy engine's distance: most tokens are out of the mu-centred region
+    at u = 1 of both generation batches, one warning naming delta, q50 / q90 and the suggestion
+    (the logged numbers); centred on pi_old nothing is out before an update: no warning."""
+    tr = _run(tmp_path, mask_mode="pdm-topk-kl", anchor=anchor, mask_delta_low=1e-6, mask_delta_high=1e-6, **OLD)
+    msgs = [str(w.message) for w in recwarn.list if "out of region before any update" in str(w.message)]
+    starts = [h for h in _logs(tr) if "pdmask/out_before_update_frac" in h]
+    assert len(starts) == 2
+    if anchor == "old":
+        assert msgs == [] and all(h["pdmask/out_before_update_frac"] == 0.0 for h in starts)
+        return
+    assert len(msgs) == 1, msgs
+    h = starts[0]
+    assert h["pdmask/out_before_update_frac"] > 0.5
+    assert msgs[0].startswith("pdmask: step 1: ")
+    for part in (f"{h['pdmask/out_before_update_frac']:.1%}", "delta = 1e-06/1e-06",
+                 f"q50 {h['pdmask/start_divergence_q50']:.3g}", f"q90 {h['pdmask/start_divergence_q90']:.3g}",
+                 f"delta ~ {h['pdmask/start_divergence_suggested_delta']:.3g}", 'anchor="old"'):
+        assert part in msgs[0], (part, msgs[0])
+
+
+@pytest.mark.parametrize("anchored", [False, True])
+def test_the_warning_reads_the_regions_own_divergence(anchored):
+    """Centred on pi_old the region's divergence at u = 1 is against pi_old (the unlogged
+    ``region_*`` quantiles), not the start distance D(mu, pi_old); the hint follows the anchor."""
+    spec = dataclasses.make_dataclass("S", ["anchored", "thresholds"])(anchored, pdmask.Thresholds(0.01, 0.02))
+    m = {"out_before_update_frac": 0.25, "start_divergence_q50": 0.111, "start_divergence_q90": 0.222,
+         "start_divergence_suggested_delta": 0.333}
+    means = {"region_q50": 0.0044, "region_q90": 0.0055, "region_suggested_delta": 0.0066}
+    msg = binding.region_warning(m, means, spec)
+    want = ("0.0044", "0.0055", "0.0066") if anchored else ("0.111", "0.222", "0.333")
+    assert all(w in msg for w in want) and "25.0%" in msg and "delta = 0.01/0.02" in msg, msg
+    assert msg.endswith(binding.HINTS["old" if anchored else "rollout"])
+    assert binding.region_warning({**m, "out_before_update_frac": 0.05}, means, spec) is None
+    assert binding.region_warning({"mb2_masked_frac": 0.5}, means, spec) is None  # not u = 1
 
 
 def test_example_runs_with_the_old_anchor(tmp_path, capsys):

@@ -17,9 +17,14 @@ Per training micro-step (:func:`local_values`, gathered over processes, then :fu
   ``A < 0`` tokens (``masked_frac_pos_adv`` is over all tokens);
 - at ``u = 1`` only, the start of the batch: ``out_before_update_frac`` (the out-of-region
   share before any update: 0 up to float rounding with ``anchor="old"``),
-  ``start_divergence_mean`` / ``_q50`` / ``_q90`` (``D(mu, pi_old)`` with ``anchor="old"``,
-  ``D(mu, pi)`` with the rollout anchor: the same policy at ``u = 1``) and
+  ``start_divergence_mean`` / ``_q50`` / ``_q90`` / ``_suggested_delta`` (``D(mu, pi_old)`` with
+  ``anchor="old"``, ``D(mu, pi)`` with the rollout anchor: the same policy at ``u = 1``; the
+  suggested delta is its q95, :func:`pdmask.anchor.start_quantiles`) and
   ``mu_region_out_frac_at_start`` (the share a region centred on mu holds out there).
+
+:func:`region_warning`: the once-per-run line (:func:`pdmask.anchor.region_warning`) from a
+``u = 1`` record, when more than :data:`pdmask.anchor.WARN_OUT_BEFORE_UPDATE` of the tokens are
+out of region before any update.
 
 Naive torch of the masked share among ``A > 0``: ``(~keep & valid & (A > 0)).sum() / (valid & (A > 0)).sum()``.
 """
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from ...anchor import Anchor, anchor_distance
+from ...anchor import Anchor, anchor_distance, start_quantiles
+from ...anchor import region_warning as _region_warning
 from ...masks import beyond_delta
 
 
@@ -39,6 +45,13 @@ def update_index(step: int, ga: int, steps_per_generation: int, num_iterations: 
     every = steps_per_generation * num_iterations
     generated = step - step % every
     return step // ga - generated // ga + 1
+
+
+#: The remedy the warning names beside delta, by anchor: with ``anchor="old"`` the region is
+#: already centred on TRL's pi_old, so a start out of region is TRL's old-log-prob forward
+#: disagreeing with the update's at the same weights.
+HINTS = {"rollout": 'anchor="old" (centre the region on TRL\'s pi_old)',
+         "old": "check why TRL's old log-probs differ from the update's forward at the same weights"}
 
 
 def _q(d: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
@@ -66,7 +79,10 @@ def local_values(res, valid: torch.Tensor, adv: torch.Tensor, spec, rollout, anc
             d0 = anchor_distance(spec.mask_mode.divergence, anchor.rollout_for(rollout), rollout, valid, vocab_size)
             mu_out = (beyond_delta(d0, a.double(), th.delta_low, th.delta_high) & valid).sum()
         sums.update(start_divergence=d0.sum(), mu_out=mu_out)
-        means.update(start_q50=_q(d0, valid, 0.5), start_q90=_q(d0, valid, 0.9))
+        q = start_quantiles(d0, valid)
+        means.update(start_q50=q["q50"], start_q90=q["q90"], start_suggested=q["suggested_delta"])
+        if anchor is not None:  # the region's own divergence (against pi_old) for the warning; not logged
+            means.update({f"region_{k}": v for k, v in start_quantiles(d, valid).items()})
     return sums, means
 
 
@@ -80,5 +96,19 @@ def metrics(u: int, sums: dict[str, float], means: dict[str, float]) -> dict[str
     if "start_divergence" in sums:
         m.update(out_before_update_frac=sums["out"] / n, start_divergence_mean=sums["start_divergence"] / n,
                  start_divergence_q50=means["start_q50"], start_divergence_q90=means["start_q90"],
+                 start_divergence_suggested_delta=means["start_suggested"],
                  mu_region_out_frac_at_start=sums["mu_out"] / n)
     return m
+
+
+def region_warning(m: dict[str, float], means: dict[str, float], spec) -> str | None:
+    """The once-per-run warning from one micro-step's :func:`metrics` ``m`` and averaged ``means``
+    (None before ``u = 1``'s values, or at or below the share); ``spec``: the trainer's
+    :class:`pdmask.PolicyLoss`. Its quantiles are of the region's own divergence there: the start
+    distance with the rollout anchor, the divergence against TRL's pi_old with ``anchor="old"``."""
+    if "out_before_update_frac" not in m:
+        return None
+    q = (means["region_q50"], means["region_q90"], means["region_suggested_delta"]) if spec.anchored else \
+        (m["start_divergence_q50"], m["start_divergence_q90"], m["start_divergence_suggested_delta"])
+    return _region_warning(m["out_before_update_frac"], *q, spec.thresholds,
+                           HINTS["old" if spec.anchored else "rollout"])

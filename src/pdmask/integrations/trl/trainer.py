@@ -35,6 +35,7 @@ runs inside the model's (wrapped) forward on the backbone's last hidden states a
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from fractions import Fraction
 
@@ -85,6 +86,7 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
                 raise ValueError(f"{name}: not supported by the pdmask trainer (its generations are not captured)")
         self._pdmask_rollout: Rollout | None = None
         self._pdmask_old_pending: dict | None = None  # anchor="old": the old-log-prob forward's top-K (old_policy)
+        self._pdmask_region_warned = False  # the once-per-run out-of-region-before-any-update warning
         # the config's one loss spec, built once (as GRPOTrainer reads its sampling settings once)
         self._pdmask_loss = options.loss_spec(a)
         super().__init__(*args_, **kwargs)
@@ -383,10 +385,22 @@ class PDMaskGRPOTrainer(_TRLGRPOTrainer):
         local = torch.stack([t.detach().float().reshape(()) for t in [*sums.values(), *means.values()]])
         allv = self.accelerator.gather(local.to(self.accelerator.device)[None]).reshape(-1, len(names))
         tot, avg = allv.sum(0).tolist(), allv.mean(0).tolist()
-        out = _binding.metrics(u, {k: tot[i] for i, k in enumerate(sums)},
-                               {k: avg[len(sums) + i] for i, k in enumerate(means)})
+        avg_means = {k: avg[len(sums) + i] for i, k in enumerate(means)}
+        out = _binding.metrics(u, {k: tot[i] for i, k in enumerate(sums)}, avg_means)
         for k, v in out.items():
             self._metrics["train"][f"pdmask/{k}"].append(v)
+        self._warn_region(out, avg_means)
+
+    def _warn_region(self, out: dict[str, float], means: dict[str, float]) -> None:
+        """Once per run, on the main process: more than ``pdmask.anchor.WARN_OUT_BEFORE_UPDATE``
+        of the tokens out of region before any update (:func:`.binding.region_warning`; the
+        numbers are the gathered ones, already on the host)."""
+        if self._pdmask_region_warned or not self.accelerator.is_main_process:
+            return
+        msg = _binding.region_warning(out, means, self._pdmask_loss)
+        if msg is not None:
+            self._pdmask_region_warned = True
+            warnings.warn(f"pdmask: {self._step_advice()[0]}: {msg}", UserWarning, stacklevel=2)
 
     def _log_pdmask_metrics(self, mode: str, res, mask: torch.Tensor, advantages: torch.Tensor,
                             rollout: Rollout | None = None, anchor: Anchor | None = None) -> None:
