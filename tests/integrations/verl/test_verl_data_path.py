@@ -327,7 +327,25 @@ def test_v1_decoupled_mode_centres_the_topk_region_on_pi_old(monkeypatch, tmp_pa
     assert metrics["actor/pdmask/mb1_masked_frac"] == pytest.approx(metrics["actor/pdmask/masked_frac"])
     assert metrics["actor/pdmask/start_divergence_mean"] == pytest.approx(
         metrics["actor/pdmask/anchor_divergence_mean"])
+    q50, q90, sug = (metrics[f"actor/pdmask/start_divergence_{k}"] for k in ("q50", "q90", "suggested_delta"))
+    assert 0 < q50 <= q90 + 1e-6 and q50 <= sug  # D(mu, pi_old)'s quantiles (q90 in float32)
     assert "actor/pdmask/mb2_masked_frac" not in metrics
+
+
+def test_v1_decoupled_mode_warns_once_when_the_region_starts_out(monkeypatch, tmp_path, recwarn):
+    """A delta far below the test's weight perturbation: at update index 1 most tokens are out of
+    the pi_old-centred region; the first micro-batch there warns, the second does not (the
+    check is made once per process, docs/verl.md)."""
+    from pdmask.integrations.verl import binding
+
+    monkeypatch.setitem(binding._REGION_CHECKED, "done", False)
+    tiny = ("actor_rollout_ref.actor.clip_ratio_low=1e-6", "actor_rollout_ref.actor.clip_ratio_high=1e-6")
+    _, _, metrics, _, _ = _run_v1(monkeypatch, tmp_path, "pdmask_pdm_topk_kl", extra=DECOUPLED + tiny,
+                                  after_old=_perturb)
+    msgs = [str(w.message) for w in recwarn.list if "out of region before any update" in str(w.message)]
+    assert metrics["actor/pdmask/out_before_update_frac"] > 0.5
+    assert len(msgs) == 1 and msgs[0].startswith("pdmask (verl): ") and "delta = 1e-06/1e-06" in msgs[0], msgs
+    assert binding._REGION_CHECKED["done"]
 
 
 def test_v1_decoupled_mode_takes_verls_rollout_is_weights(monkeypatch, tmp_path):

@@ -58,6 +58,7 @@ from ...loss import LOSS_AGG_READS, LOSS_AGGS, Aggregation, PolicyLoss
 from ...masks import MODES, Thresholds, get_mode
 from ...stats import TokenStats, TopKStats, topk_names
 from ...surrogates import SURROGATES
+from .binding import binding_metrics, region_check
 
 PREFIX = "pdmask_"
 
@@ -308,38 +309,6 @@ def _spec_once(specs: dict, mode_name: str, estimator: str, config, anchor: str 
     return specs[key]
 
 
-def binding_metrics(out, spec: PolicyLoss, advantages: torch.Tensor, response_mask: torch.Tensor,
-                    distance: torch.Tensor | None, u: int | None) -> dict[str, torch.Tensor]:
-    """Where the region binds, per micro-batch (detached): the masked share among ``A > 0`` /
-    ``A < 0`` tokens; with pi_old (``distance``: ``D(mu, pi_old)`` of the mode's divergence)
-    its mean and q90 and the share a mu-centred region holds out at pi_old; with the update
-    index ``u`` (decoupled mode) ``mb{u}_out_of_region_frac`` / ``mb{u}_masked_frac`` and, at
-    ``u = 1``, the start-of-step values. Naive torch of the first:
-    ``(~keep & m & (A > 0)).sum() / (m & (A > 0)).sum()``."""
-    from ...anchor import Behaviour, anchor_metrics
-
-    valid = response_mask.bool()
-    cut = ~out.mask & valid
-    m = {}
-    for name, sel in (("pos", (advantages > 0) & valid), ("neg", (advantages < 0) & valid)):
-        m[f"masked_share_{name}_adv"] = (cut & sel).sum() / sel.sum().clamp(min=1)
-    th = spec.thresholds
-    if distance is not None:  # the core's distance metrics (the stats path measures none itself)
-        d = anchor_metrics(Behaviour(torch.zeros_like(distance), distance), torch.ones_like(distance), advantages,
-                           valid, th.delta_low, th.delta_high)
-        m.update({k: d[k] for k in ("anchor_divergence_mean", "anchor_divergence_q90", "anchor_out_of_region_frac")})
-    if u is not None:
-        m[f"mb{u}_out_of_region_frac"] = out.metrics["out_of_region_frac"]
-        m[f"mb{u}_masked_frac"] = out.metrics["masked_frac"]
-        if u == 1:
-            m["out_before_update_frac"] = out.metrics["out_of_region_frac"]
-            if distance is not None:
-                m.update(start_divergence_mean=m["anchor_divergence_mean"],
-                         start_divergence_q90=m["anchor_divergence_q90"],
-                         mu_region_out_frac_at_start=m["anchor_out_of_region_frac"])
-    return {k: v.detach() for k, v in m.items()}
-
-
 def masked_policy_loss(
     mode_name: str,
     estimator: str,
@@ -386,6 +355,7 @@ def masked_policy_loss(
                           aggregation=aggregation(loss_agg_mode, config.global_batch_info), **weights)
     m = dict(out.metrics)
     m.update(binding_metrics(out, spec, advantages, response_mask, distance, _UPDATE_INDEX.get()))
+    region_check(out, spec, response_mask, _UPDATE_INDEX.get())
     m.pop("loss")  # verl reports the loss itself (actor/pg_loss)
     if not has_entropy:
         m.pop("entropy_mean")
