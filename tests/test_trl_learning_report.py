@@ -97,6 +97,12 @@ def test_report_numbers_from_synthetic_records(runs, tmp_path, capsys):
     assert pf["estimate"] == pytest.approx(d.mean()) and pf["n"] == 3 and pf["wins"] == 3 and pf["losses"] == 0
     assert pf["p"] == pytest.approx(0.25) and s["min_sign_flip_p"] == pytest.approx(0.25)
     assert s["paired_gain"]["estimate"] == pytest.approx(d.mean())  # equal starts: gain difference = final difference
+    # did each label learn: its last eval against its own step 0, seed by seed
+    for label in ("pdm-topk-kl", "plain-trl"):
+        g = np.array([np.mean(scores(k, label, STEPS[-1])) - np.mean(scores(k, label, STEPS[0])) for k in SEEDS])
+        got = s["learned"][label]
+        assert got["estimate"] == pytest.approx(g.mean()) and got["n"] == 3
+        assert (got["wins"], got["losses"]) == (int((g > 0).sum()), int((g < 0).sum()))
     # McNemar, pooled over seeds: only the treatment right on 1 + 2 + 2 = 5 pairs, only the baseline on 1
     mc = s["mcnemar"]
     assert (mc["b"], mc["c"], mc["n_pairs"], mc["n_prompts"], mc["n_seeds"]) == (5, 1, 30, 10, 3)
@@ -108,7 +114,8 @@ def test_report_numbers_from_synthetic_records(runs, tmp_path, capsys):
     assert s["timing"]["pdm-topk-kl-s1"]["step_s_median"] == pytest.approx(np.median([10 + k + 1 for k in range(1, 9)]))
     # the page, the figure, the copied records; no machine path anywhere
     page = (out / "README.md").read_text()
-    assert "![held-out accuracy per step](heldout.png)" in page and "2/2^3 = 0.25" in page
+    assert "![held-out accuracy per step](heldout.png)" in page and "2/2^3 = 0.25" in page and "no difference can reach p < 0.05" in page
+    assert "- Learned (accuracy at the last eval - step 0" in page
     assert "only pdm-topk-kl right 5, only plain-trl right 1" in page and "Test CPU" in page
     assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "records").iterdir()) == sorted(

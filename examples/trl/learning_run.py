@@ -265,6 +265,9 @@ def summarize(found: list[dict], baseline: str = BASELINE) -> dict:
         "final": final, "gain": gain,
         "paired_final": paired_difference(final[treat], final[baseline]).to_dict(),
         "paired_gain": paired_difference(gain[treat], gain[baseline]).to_dict(),
+        # did each label learn: its own accuracy at the last eval against step 0, paired by seed
+        "learned": {lab: paired_difference(final[lab], [f - g for f, g in zip(final[lab], gain[lab])]).to_dict()
+                    for lab in labels},
         "min_sign_flip_p": min_sign_flip_p(len(seeds)),
         "mcnemar": mc,
         "timing": timing(by, labels, seeds),
@@ -359,12 +362,19 @@ def readme(summary: dict, command: str) -> str:
         f"- Gain (final - step 0), {t} - {b}: {_pd(summary['paired_gain'])}. Both labels start from the same "
         "model, so their step-0 accuracies are equal and the two differences coincide unless a run's step 0 differs.",
         f"- {mc_line}",
+        *([f"- Learned (accuracy at the last eval - step 0, each label on its own, paired by seed): "
+           + "; ".join(f"{lab} {_pd(d)}" for lab, d in summary["learned"].items()) + "."]
+          if "learned" in summary else []),
         "",
         "What this can show, and what it cannot:",
         "",
         f"- With {n} paired seeds the smallest two-sided sign-flip p is 2/2^{n} = {summary['min_sign_flip_p']:.3g}: "
-        "no difference between the two losses can reach p < 0.05 whatever its size (that takes 6 seeds, all in "
-        "one direction). The seed intervals describe these seeds, they are too narrow to generalise.",
+        + (f"a difference reaches p < 0.05 only when all {n} seeds agree in sign, so only a difference large "
+           "against the seed-to-seed spread can be detected. "
+           if summary["min_sign_flip_p"] < 0.05 else
+           "no difference can reach p < 0.05 whatever its size (that takes at least 6 seeds, all in one "
+           "direction). ")
+        + "The seed intervals describe these seeds, they are too narrow to generalise.",
         "- McNemar pools prompts x seeds as if every pair were independent. The prompts are the same in every "
         "seed and a seed's answers share one trained model, so its p-value says whether these trained models "
         "answer these prompts differently, not whether the loss makes a difference in expectation over training "
