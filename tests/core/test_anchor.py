@@ -255,7 +255,7 @@ def test_start_quantiles_are_float64_quantiles_of_the_valid_tokens():
     want = torch.quantile(d[valid].double(), torch.tensor([0.5, 0.9, 1 - pdmask.anchor.SUGGESTED_OUT_SHARE], dtype=F64))
     got = torch.stack([q["q50"], q["q90"], q["suggested_delta"]])
     assert got.dtype == F64
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)  # sort + one interpolation: float64 rounding only
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)  # two float64 graphs (masked nanquantile vs quantile of the selection): rounding only, which may differ by CPU
     # the suggested delta leaves SUGGESTED_OUT_SHARE out (up to one token's interpolation)
     out = float((d[valid].double() > q["suggested_delta"]).double().mean())
     assert out <= pdmask.anchor.SUGGESTED_OUT_SHARE + 1 / int(valid.sum())
