@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pdmask_lab import stale_report as sr
+from pdmask_lab.same_reading import same_reading
 from pdmask_lab.stale_render import answers_markdown, stale_markdown
 
 STEPS, SYNC = 8, 4
@@ -245,27 +246,18 @@ def test_the_plot_is_written(cell, tmp_path):
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "results" / "real-stale"
 
 
-def _leaves(x, where: str = "") -> dict:
-    """A nested record as {path: leaf value}."""
-    if isinstance(x, dict):
-        return {k: v for key, val in x.items() for k, v in _leaves(val, f"{where}.{key}").items()}
-    if isinstance(x, list):
-        return {k: v for i, val in enumerate(x) for k, v in _leaves(val, f"{where}[{i}]").items()}
-    return {where: x}
-
-
 @pytest.mark.skipif(not (COMMITTED / "stale.json").is_file(), reason="the stale comparison's records are not committed")
 def test_the_committed_report_rebuilds_from_the_committed_records(tmp_path):
     """docs/real_rl.md quotes stale.md: rebuilt from the records beside it, every number is the same."""
     assert sr.main([str(COMMITTED / "lr3e-4-sync8"), "--out", str(tmp_path), "--no-plot"]) == 0
     got = json.loads((tmp_path / "stale.json").read_text())
     want = json.loads((COMMITTED / "stale.json").read_text())
-    drop = ("command", "plot")  # how it was called, and the figure --no-plot leaves out
-    got_leaves, want_leaves = _leaves({k: v for k, v in got.items() if k not in drop}), \
-        _leaves({k: v for k, v in want.items() if k not in drop})
-    assert got_leaves.keys() == want_leaves.keys()
-    for where, v in want_leaves.items():  # floats to their rounding: the bootstrap's sums may differ in the last bit by CPU
-        assert got_leaves[where] == (pytest.approx(v, rel=1e-9, abs=1e-12) if isinstance(v, float) else v), where
+    # every number at every place (the build's command and figure aside); floats to their rounding,
+    # since the bootstrap's sums may differ in the last bit by CPU model
+    r = same_reading(want, got)
+    assert r.shared > 1000 and not r.lost and not r.only_old and not r.only_new
+    for where, old, new in r.differ:
+        assert new == pytest.approx(old, rel=1e-9, abs=1e-12), where
     # the headline of docs/real_rl.md, read from the rebuilt report: answers stop ending on every
     # seed of `none` and on none of the mu-centred regions' (McNemar 8 vs 0 of 8: p = 2 / 2^8)
     for name in ("ending_sampled", "ending_greedy"):
